@@ -1,0 +1,232 @@
+"""Frozen model configurations parsed from HF ``config.json`` files (Qwen3 target, DFlash draft)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that this library cannot run, with the offending field named."""
+
+
+def _require(raw: dict, name: str, where: str):
+    if name not in raw or raw[name] is None:
+        raise ConfigError(f"{where}: required field '{name}' is missing")
+    return raw[name]
+
+
+def _rope_theta(raw: dict, where: str) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only default RoPE)")
+    theta = raw.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
+    return float(theta)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a Qwen3-style decoder stack (the target, or the draft's layers)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for kind in self.layer_types:
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"layer_types: unknown layer type '{kind}'")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but 'sliding_window' is not set")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of a layer, None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        if raw.get("attention_bias"):
+            raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
+        hidden = int(_require(raw, "hidden_size", where))
+        heads = int(_require(raw, "num_attention_heads", where))
+        layers = int(_require(raw, "num_hidden_layers", where))
+        layer_types = tuple(raw.get("layer_types") or ())
+        if raw.get("use_sliding_window") is False and "layer_types" not in raw:
+            layer_types = ()
+        return cls(
+            vocab_size=int(_require(raw, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(_require(raw, "intermediate_size", where)),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw, where),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            sliding_window=raw.get("sliding_window"),
+            layer_types=layer_types,
+            eos_token_ids=_token_ids(raw.get("eos_token_id")),
+        )
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Default target taps of a draft: spread over layers 1..L-3 (z-lab's rule)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A DFlash draft: its Qwen3 layer stack plus how it reads the target.
+
+    ``target_layer_ids`` are z-lab ids: the output of target decoder layer k (HF hidden_states[k+1]).
+    ``draft_vocab_size`` is set only for speculators drafts with a reduced vocabulary (d2t map).
+    ``causal_layers`` reproduces the reference: sliding-window draft layers are causal unless
+    the config says ``is_causal``.
+    """
+
+    model: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    draft_vocab_size: int | None = None
+    causal_layers: tuple[bool, ...] = ()
+    source_format: str = "z-lab"
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], where: str = "draft config.json") -> "DraftConfig":
+        if raw.get("speculators_model_type") is not None:
+            return cls._from_speculators(raw, where)
+        if "DFlashDraftModel" not in (raw.get("architectures") or []) and "dflash_config" not in raw:
+            raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
+                              "and there is no dflash_config or speculators_model_type)")
+        dflash = raw.get("dflash_config") or {}
+
+        def value(name, default=None):
+            return dflash.get(name, raw.get(name, default))
+
+        model = ModelConfig.from_hf(raw, where)
+        ids = value("target_layer_ids")
+        num_target_layers = raw.get("num_target_layers")
+        if ids is None:
+            if num_target_layers is None:
+                raise ConfigError(f"{where}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'")
+            ids = build_target_layer_ids(int(num_target_layers), model.num_layers)
+        mask = value("mask_token_id")
+        if mask is None:
+            raise ConfigError(f"{where}: required field 'dflash_config.mask_token_id' is missing")
+        softcap = value("final_logit_softcapping")
+        is_causal = raw.get("is_causal")
+        causal = tuple(kind == "sliding_attention" if is_causal is None else bool(is_causal)
+                       for kind in model.layer_types)
+        return cls(
+            model=model,
+            block_size=int(value("block_size", 16)),
+            mask_token_id=int(mask),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            causal_layers=causal,
+        )
+
+    @classmethod
+    def _from_speculators(cls, raw: dict[str, Any], where: str) -> "DraftConfig":
+        kind = raw["speculators_model_type"]
+        if kind != "dflash":
+            raise ConfigError(f"{where}: speculators_model_type '{kind}' is not a DFlash draft")
+        layer_raw = dict(_require(raw, "transformer_layer_config", where))
+        model = ModelConfig.from_hf(layer_raw, f"{where} transformer_layer_config")
+        aux = _require(raw, "aux_hidden_state_layer_ids", where)
+        mask = raw.get("mask_token_id")
+        if mask is None:
+            raise ConfigError(f"{where}: required field 'mask_token_id' is missing")
+        draft_vocab = raw.get("draft_vocab_size")
+        is_causal = layer_raw.get("is_causal")
+        return cls(
+            model=model,
+            block_size=int(_require(raw, "block_size", where)),
+            mask_token_id=int(mask),
+            target_layer_ids=tuple(int(i) - 1 for i in aux),
+            draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else int(draft_vocab),
+            causal_layers=tuple(k == "sliding_attention" if is_causal is None else bool(is_causal)
+                                for k in model.layer_types),
+            source_format="speculators",
+        )
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise ConfigError if this draft cannot run on ``target``."""
+        if self.model.hidden_size != target.hidden_size:
+            raise ConfigError(f"draft hidden_size {self.model.hidden_size} != target hidden_size "
+                              f"{target.hidden_size}")
+        if self.model.vocab_size != target.vocab_size:
+            raise ConfigError(f"draft vocab_size {self.model.vocab_size} != target vocab_size "
+                              f"{target.vocab_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConfigError(f"draft target_layer_ids {list(bad)} are outside the target's "
+                              f"{target.num_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"draft mask_token_id {self.mask_token_id} is outside the target "
+                              f"vocabulary of {target.vocab_size}")
+
+
+def read_config_json(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: expected an HF model folder with config.json")
+    return json.loads(path.read_text())
+
+
+def load_target_config(directory: str | Path) -> ModelConfig:
+    raw = read_config_json(directory)
+    model_type = raw.get("model_type")
+    if model_type != "qwen3":
+        raise ConfigError(f"{directory}/config.json: model_type '{model_type}' is not supported "
+                          "(only 'qwen3' targets)")
+    return ModelConfig.from_hf(raw, f"{directory}/config.json")
+
+
+def load_draft_config(directory: str | Path) -> DraftConfig:
+    return DraftConfig.from_hf(read_config_json(directory), f"{directory}/config.json")

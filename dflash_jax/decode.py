@@ -1,0 +1,207 @@
+"""Jitted prefill and the on-device decode loop, for plain decoding and DFlash alike.
+
+Plain decoding is the same loop with no draft and block size 1: the "verify" of a one-token
+block is an ordinary decode step and its "bonus" is the next token. One DFlash step:
+
+1. draft: block ``[last token, mask x (B-1)]`` at positions ``lengths .. lengths+B-1`` through
+   the draft over its cached context K/V -> B-1 draft tokens;
+2. verify: the target runs the block, writing its K/V, returning logits and tapped hiddens;
+3. accept: greedy prefix match, or rejection sampling -> n accepted drafts + a bonus token;
+4. commit: emit n+1 tokens (cut at stop tokens / max_new_tokens), advance ``lengths`` by the
+   emitted count, write the committed tokens' context K/V into the draft's pages.
+
+Shapes are fixed per (batch, block size, buffers), so the loop never recompiles; finished
+sequences keep their state frozen (they still occupy their batch row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax import draft as draft_model
+from dflash_jax import target as target_model
+from dflash_jax.cache import PagedKVCache
+from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.params import DraftParams, TargetParams
+from dflash_jax.sampling import SamplingConfig, accept_greedy, accept_sampling, choose, sampling_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static choices of one compiled loop. ``draft`` None means plain decoding (block 1).
+    ``accept_replay`` (benchmarks only) replaces the accept decision: each draft position is
+    accepted independently with this probability, up to the first rejection."""
+
+    target: ModelConfig
+    draft: DraftConfig | None
+    block_size: int
+    sampling: SamplingConfig
+    impl: str = "auto"
+    accept_replay: float | None = None
+
+    def __post_init__(self):
+        if self.draft is None and self.block_size != 1:
+            raise ValueError(f"block_size {self.block_size} needs a draft; plain decoding uses 1")
+        if self.draft is not None and not 2 <= self.block_size <= self.draft.block_size:
+            raise ValueError(f"block_size must be in [2, {self.draft.block_size}] (the draft's "
+                             f"trained block size), got {self.block_size}")
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.draft.target_layer_ids if self.draft is not None else ()
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries (B = batch, N = max_new_tokens + block_size).
+
+    tokens: [B, N] generated tokens (the first one comes from prefill); entries at and past
+        ``num_generated`` are scratch.
+    num_generated: [B] emitted so far. last_token: [B] emitted but not yet run by the target.
+    done: [B] stop token seen or max_new_tokens reached.
+    max_new_tokens: [B]; stop_tokens: [B, S] (-1 padded).
+    cache: the paged KV cache; ``cache.lengths`` counts tokens the target has committed.
+    steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step.
+    key: PRNG key; iteration: scalar loop iterations run.
+    """
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    last_token: jax.Array
+    done: jax.Array
+    max_new_tokens: jax.Array
+    stop_tokens: jax.Array
+    cache: PagedKVCache
+    steps: jax.Array
+    accept_lengths: jax.Array
+    key: jax.Array
+    iteration: jax.Array
+
+
+def _is_stop(tokens: jax.Array, stop_tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] vs stop_tokens [B, S] (-1 padded) -> [B, T] bool."""
+    return jnp.any((tokens[:, :, None] == stop_tokens[:, None, :]) & (stop_tokens[:, None, :] >= 0), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "buffer_len", "max_steps"), donate_argnames=("cache",))
+def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
+            max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array, *,
+            config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
+    """Run right-padded prompts [B, P] (true lengths prompt_lens [B]), pick the first token and
+    return the loop's initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps)."""
+    batch = prompts.shape[0]
+    hidden, taps, cache = target_model.forward(target, config.target, prompts, jnp.zeros((batch,), jnp.int32),
+                                               cache, tap_layers=config.tap_layers, impl=config.impl)
+    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    key, first_key = jax.random.split(key)
+    first = choose(first_key, target_model.logits(target, last), config.sampling)
+    if config.draft is not None:
+        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
+        cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
+    cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+    done = _is_stop(first[:, None], stop_tokens)[:, 0] | (max_new_tokens <= 1)
+    return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
+                       num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
+                       max_new_tokens=max_new_tokens.astype(jnp.int32), stop_tokens=stop_tokens.astype(jnp.int32),
+                       cache=cache, steps=jnp.zeros((batch,), jnp.int32),
+                       accept_lengths=jnp.zeros((batch, max_steps), jnp.int32), key=key,
+                       iteration=jnp.zeros((), jnp.int32))
+
+
+def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block_lens: jax.Array,
+             key: jax.Array, config: LoopConfig) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens [B, block-1] (and their probabilities when sampling)."""
+    batch = state.last_token.shape[0]
+    masks = jnp.full((batch, config.block_size - 1), config.draft.mask_token_id, jnp.int32)
+    block = jnp.concatenate([state.last_token[:, None], masks], axis=1)
+    hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl)
+    logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:])
+    if config.sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    probs = sampling_probs(logits, config.sampling)
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32), probs
+
+
+def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, block_lens: jax.Array,
+            config: LoopConfig) -> tuple[jax.Array, jax.Array]:
+    """(accepted drafts n [B], bonus token [B]) for verify logits [B, block, V]."""
+    if config.draft is None:
+        return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], config.sampling)
+    if config.accept_replay is not None:
+        replay_key, key = jax.random.split(key)
+        hits = jax.random.uniform(replay_key, drafts.shape) < config.accept_replay
+        hits &= jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1
+        accepted = jnp.sum(jnp.cumprod(hits.astype(jnp.int32), axis=1), axis=1)
+        next_logits = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
+        return accepted, choose(key, next_logits, config.sampling)
+    if config.sampling.greedy:
+        return accept_greedy(drafts, logits, block_lens)
+    return accept_sampling(key, drafts, draft_probs, sampling_probs(logits, config.sampling), block_lens)
+
+
+def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
+                config: LoopConfig) -> DecodeState:
+    """One speculation step (draft, verify, accept, commit) for every unfinished sequence."""
+    cache = state.cache
+    start = cache.lengths
+    active = ~state.done
+    remaining = state.max_new_tokens - state.num_generated
+    # A block never runs past max_new_tokens: the reference shortens its last blocks the same way.
+    block_lens = jnp.clip(remaining + 1, 1, config.block_size)
+    key, draft_key, accept_key = jax.random.split(state.key, 3)
+
+    if config.draft is None:
+        drafts, draft_probs = jnp.zeros((start.shape[0], 0), jnp.int32), None
+    else:
+        drafts, draft_probs = _propose(target, draft, state, block_lens, draft_key, config)
+    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    hidden, taps, cache = target_model.forward(target, config.target, block, start, cache,
+                                               tap_layers=config.tap_layers, impl=config.impl)
+    accepted, bonus = _accept(accept_key, drafts, draft_probs, target_model.logits(target, hidden),
+                              block_lens, config)
+
+    # Emitted run: the accepted drafts then the bonus; cut at max_new_tokens and stop tokens.
+    slots = jnp.arange(config.block_size)[None, :]
+    emitted = jnp.where(slots < accepted[:, None], jnp.concatenate([drafts, bonus[:, None]], axis=1),
+                        bonus[:, None])
+    produced = jnp.minimum(accepted + 1, remaining)
+    stops = _is_stop(emitted, state.stop_tokens) & (slots < produced[:, None])
+    hit_stop = jnp.any(stops, axis=1)
+    produced = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, produced)
+    produced = jnp.where(active, produced, 0)
+
+    tokens = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
+        state.tokens, emitted, state.num_generated)
+    tokens = jnp.where(active[:, None], tokens, state.tokens)
+    num_generated = state.num_generated + produced
+    if config.draft is not None:
+        positions = start[:, None] + slots
+        cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
+    cache = cache.replace(lengths=start + produced)
+    last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
+    step_slot = jnp.minimum(state.steps, state.accept_lengths.shape[1] - 1)
+    accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), step_slot].set(
+        jnp.where(active, produced, state.accept_lengths[jnp.arange(start.shape[0]), step_slot]))
+    return state.replace(
+        tokens=tokens, num_generated=num_generated, last_token=jnp.where(active, last, state.last_token),
+        done=state.done | hit_stop | (num_generated >= state.max_new_tokens), cache=cache,
+        steps=state.steps + active.astype(jnp.int32), accept_lengths=accept_lengths, key=key,
+        iteration=state.iteration + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("state",))
+def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, *,
+                 config: LoopConfig, num_steps: int) -> DecodeState:
+    """Up to ``num_steps`` decode steps in one on-device ``lax.while_loop``; stops early once
+    every sequence is done. Callers stream text between chunks."""
+    stop_at = state.iteration + num_steps
+
+    def running(s: DecodeState):
+        return (s.iteration < stop_at) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(running, lambda s: decode_step(target, draft, s, config), state)

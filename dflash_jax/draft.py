@@ -1,0 +1,82 @@
+"""DFlash draft forward: context K/V materialization and the non-causal block pass.
+
+The draft has no embedding or LM head of its own: it borrows the target's (a speculators
+draft with a reduced vocabulary brings its own LM head and a d2t map back to target ids).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import attention
+from dflash_jax.cache import PagedKVCache
+from dflash_jax.config import DraftConfig
+from dflash_jax.params import DraftParams, TargetParams
+from dflash_jax.target import logits as target_logits, mlp, split_heads
+from pallas_kernels import rms_norm
+
+
+def context_features(params: DraftParams, config: DraftConfig, taps: jax.Array) -> jax.Array:
+    """fc + hidden_norm of concatenated target taps [B, T, n*H] -> [B, T, H]."""
+    return rms_norm(taps @ params.fc, params.hidden_norm, config.model.rms_norm_eps)
+
+
+def write_context(params: DraftParams, config: DraftConfig, taps: jax.Array, positions: jax.Array,
+                  cache: PagedKVCache, *, impl: str = "auto") -> PagedKVCache:
+    """Project taps [B, T, n*H] of tokens at ``positions`` [B, T] into every draft layer's
+    context K/V (k_proj + k_norm + RoPE, v_proj) and store them in the draft's pages."""
+    model = config.model
+    features = context_features(params, config, taps)
+    for index, layer in enumerate(params.layers):
+        slot = cache.num_target_layers + index
+        k_pages, v_pages = attention.write_kv(
+            split_heads(features @ layer.k_proj, model.head_dim),
+            split_heads(features @ layer.v_proj, model.head_dim), layer.k_norm, positions,
+            *cache.layer(slot), cache.page_table, eps=model.rms_norm_eps, theta=model.rope_theta, impl=impl)
+        cache = cache.replace_layer(slot, k_pages, v_pages)
+    return cache
+
+
+def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams, block: jax.Array,
+                 cache: PagedKVCache, block_lens: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """Draft layers over block [B, T] = [last token, mask x (T-1)] at positions lengths[b] + t,
+    attending to the cached context and the block itself; final-normed hidden [B, T, H]."""
+    model = config.model
+    eps, theta, dim = model.rms_norm_eps, model.rope_theta, model.head_dim
+    context_lens = cache.lengths
+    positions = context_lens[:, None] + jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
+    x = target.embed[block]
+    if config.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(config.input_embedding_scale, x.dtype)
+    for index, layer in enumerate(params.layers):
+        h = rms_norm(x, layer.input_norm, eps)
+        q = attention.norm_rope(split_heads(h @ layer.q_proj, dim), layer.q_norm, positions,
+                                eps=eps, theta=theta, impl=impl)
+        k = attention.norm_rope(split_heads(h @ layer.k_proj, dim), layer.k_norm, positions,
+                                eps=eps, theta=theta, impl=impl)
+        v = split_heads(h @ layer.v_proj, dim)
+        out = attention.draft_attention(q, *cache.layer(cache.num_target_layers + index), cache.page_table,
+                                        context_lens, k, v, block_lens, sliding_window=model.window(index),
+                                        causal=bool(config.causal_layers[index]), impl=impl)
+        x = x + out.reshape(*out.shape[:2], -1) @ layer.o_proj
+        x = x + mlp(rms_norm(x, layer.post_attention_norm, eps), layer)
+    return rms_norm(x, params.norm, eps)
+
+
+def draft_logits(params: DraftParams, config: DraftConfig, target: TargetParams,
+                 hidden: jax.Array) -> jax.Array:
+    """Logits over the target vocabulary [..., V] (f32) from draft hidden states."""
+    if params.lm_head is None:
+        logits = target_logits(target, hidden)
+    else:  # reduced draft vocabulary: scatter to target ids, others impossible
+        small = jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+        target_ids = jnp.arange(small.shape[-1]) + params.d2t
+        logits = jnp.full((*small.shape[:-1], config.model.vocab_size), -jnp.inf, jnp.float32)
+        logits = logits.at[..., target_ids].set(small)
+    if config.output_multiplier != 1.0:
+        logits = logits * config.output_multiplier
+    if config.final_logit_softcapping:
+        cap = config.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits

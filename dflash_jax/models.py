@@ -1,0 +1,68 @@
+"""Loaded models: a config and its params, read from an HF folder or a converted folder."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import checkpoint
+from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
+from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    config: ModelConfig
+    params: TargetParams
+    path: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    config: DraftConfig
+    params: DraftParams
+    path: Path | None = None
+
+
+def _dtype(dtype):
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def _restore_converted(directory: Path, abstract, dtype):
+    params = checkpoint.restore_params(directory, abstract)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def load_target(path: str | Path, dtype="bfloat16") -> Target:
+    """Qwen3 target from an HF folder (safetensors) or a folder made by checkpoints_convert."""
+    path, dtype = Path(path), _dtype(dtype)
+    if checkpoint.is_converted(path):
+        config = load_target_config(path)
+        stored = DTYPES[checkpoint.read_marker(path)["dtype"]]
+        abstract = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), stored))
+        return Target(config, _restore_converted(path, abstract, dtype), path)
+    config, params = checkpoint.load_hf_target(path, dtype)
+    return Target(config, params, path)
+
+
+def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16") -> Draft:
+    """DFlash draft (z-lab or speculators format, or converted); checked against ``target``."""
+    path, dtype = Path(path), _dtype(dtype)
+    config = load_draft_config(path)
+    if target is not None:
+        config.check_target(target.config)
+    if checkpoint.is_converted(path):
+        stored = DTYPES[checkpoint.read_marker(path)["dtype"]]
+        abstract = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), stored))
+        return Draft(config, _restore_converted(path, abstract, dtype), path)
+    _, params = checkpoint.load_hf_draft(path, dtype)
+    return Draft(config, params, path)

@@ -1,0 +1,114 @@
+"""Token choice and speculative acceptance: greedy, and rejection sampling that is exact in
+distribution. Temperature, top-k and top-p are applied exactly as the z-lab reference does:
+top-k first, softmax over the kept logits, then top-p on those probabilities (keep a token
+while the mass before it is < top_p), renormalized."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 means greedy (argmax); top_k 0 means no top-k; top_p 1.0 means no top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def _scatter_rows(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
+    """out[..., indices[..., j]] = values[..., j] over a zero vector of length ``size``."""
+    flat_v = values.reshape(-1, values.shape[-1])
+    flat_i = indices.reshape(-1, indices.shape[-1])
+    rows = jnp.arange(flat_v.shape[0])[:, None]
+    out = jnp.zeros((flat_v.shape[0], size), values.dtype).at[rows, flat_i].set(flat_v)
+    return out.reshape(*values.shape[:-1], size)
+
+
+def _top_p_sorted(sorted_probs: jax.Array, top_p: float) -> jax.Array:
+    keep = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+    kept = sorted_probs * keep
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def sampling_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """Probabilities [..., V] (f32) that sampling at ``config`` draws from (T > 0)."""
+    scores = logits.astype(jnp.float32) / config.temperature
+    vocab = scores.shape[-1]
+    if 0 < config.top_k < vocab:
+        values, indices = jax.lax.top_k(scores, config.top_k)  # sorted descending
+        probs = jax.nn.softmax(values, axis=-1)
+        if config.top_p < 1.0:
+            probs = _top_p_sorted(probs, config.top_p)
+        return _scatter_rows(probs, indices, vocab)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if config.top_p < 1.0:
+        order = jnp.argsort(-probs, axis=-1)
+        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+        probs = _scatter_rows(_top_p_sorted(sorted_probs, config.top_p), order, vocab)
+    return probs
+
+
+def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row of probs [..., V]."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """Next token(s) from logits [..., V]: argmax when greedy, else a sample."""
+    if config.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sample_probs(key, sampling_probs(logits, config))
+
+
+def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array,
+                  block_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Leading matches n [B] of draft_tokens [B, T-1] against argmax(target_logits [B, T, V])
+    (only the first block_lens-1 drafts count), and the bonus argmax(target[n]) [B]."""
+    posterior = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    slots = jnp.arange(draft_tokens.shape[1])[None, :]
+    match = (draft_tokens == posterior[:, :-1]) & (slots < block_lens[:, None] - 1)
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return accepted, jnp.take_along_axis(posterior, accepted[:, None], axis=1)[:, 0]
+
+
+def accept_sampling(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
+                    target_probs: jax.Array, block_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling: accept draft x at i with prob min(1, p(x)/q(x)); at the first
+    rejection sample from normalize(max(p - q, 0)) (p itself if that is all zero); if every
+    draft is accepted sample the bonus from p at the next position.
+
+    draft_tokens [B, T-1]; draft_probs q [B, T-1, V]; target_probs p [B, T, V]; block_lens [B].
+    """
+    accept_key, bonus_key = jax.random.split(key)
+    num_drafts = draft_tokens.shape[1]
+    p = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]
+    q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(accept_key, p.shape)
+    slots = jnp.arange(num_drafts)[None, :]
+    ok = (u * q < p) & (slots < block_lens[:, None] - 1)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_next = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]
+    q_next = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, num_drafts - 1)[:, None, None],
+                                 axis=1)[:, 0]
+    residual = jnp.maximum(p_next - q_next, 0)
+    total = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1), p_next)
+    all_accepted = (accepted >= block_lens - 1)[:, None]
+    return accepted, sample_probs(bonus_key, jnp.where(all_accepted, p_next, residual))

@@ -1,0 +1,77 @@
+"""Tokenizer (``tokenizers``) and chat template (jinja2) read from an HF model folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    """Encode/decode plus the folder's chat template and stop tokens."""
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the model folder needs a tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.chat_template = self.config.get("chat_template")
+        self.stop_token_ids = self._stop_tokens(directory)
+
+    def _token_id(self, token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _stop_tokens(self, directory: Path) -> list[int]:
+        ids = []
+        for name in ("generation_config.json", "config.json"):
+            path = directory / name
+            if path.is_file():
+                eos = json.loads(path.read_text()).get("eos_token_id")
+                ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        eos_token = self._token_id(self.config.get("eos_token"))
+        if eos_token is not None:
+            ids.append(eos_token)
+        return sorted(set(int(i) for i in ids))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        """Render one user turn with the generation prompt, as transformers would."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer_config.json has no chat_template; drop --chat")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template)
+        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
+                   if k.endswith("_token") and isinstance(v, (str, dict))}
+        return template.render(messages=[{"role": "user", "content": user_message}],
+                               add_generation_prompt=True, **special)
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+class TextStream:
+    """Incremental detokenization: yields only text that is final (no half UTF-8 characters)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.printed = tokenizer, ""
+
+    def update(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.printed = text[len(self.printed):], text
+        return new

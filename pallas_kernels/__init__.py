@@ -1,0 +1,28 @@
+"""Pallas kernels for dflash-jax, each beside the plain-jnp reference it must match.
+
+One file per kernel: a private kernel, a public jitted wrapper, and ``*_reference``.
+Page layout everywhere: ``pages[num_pages, page_size, kv_heads, head_dim]`` per layer,
+``page_table[batch, pages_per_seq]`` (int32), token at position ``p`` of sequence ``b`` lives
+at ``pages[page_table[b, p // page_size], p % page_size]``.
+"""
+
+from pallas_kernels.paging import gather_pages, write_pages
+from pallas_kernels.norm_rope import (apply_rope, norm_rope, norm_rope_reference, norm_rope_write,
+                                      norm_rope_write_reference, rms_norm)
+from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
+from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
+
+__all__ = [
+    "gather_pages",
+    "write_pages",
+    "apply_rope",
+    "rms_norm",
+    "norm_rope",
+    "norm_rope_reference",
+    "norm_rope_write",
+    "norm_rope_write_reference",
+    "paged_verify_attention",
+    "paged_verify_attention_reference",
+    "paged_draft_attention",
+    "paged_draft_attention_reference",
+]

@@ -1,0 +1,156 @@
+"""Non-causal DFlash draft attention: a block of queries over paged context K/V plus the block's own K/V.
+
+Sequence ``b`` has ``context_lens[b]`` context tokens cached at positions ``0..context_lens[b]-1``;
+its block query ``t`` sits at position ``context_lens[b] + t``. Keys: every cached context token,
+then the block's own K/V (``block_k``, never written to the cache), of which only the first
+``block_lens[b]`` are real (a block cut short near ``max_new_tokens``). No causal mask unless
+``causal=True`` (the z-lab reference makes sliding-window draft layers causal); a sliding window
+``w`` keeps keys with ``|q_pos - k_pos| < w`` (one-sided when causal).
+
+The kernel is verify_attention's paged online softmax (same grid, page loop and context split)
+followed, in the last split, by one more softmax step over the block's own K/V tile, so context
+and block keys are merged in one pass without writing the block to the cache.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paging import gather_pages
+from pallas_kernels.tuning import next_power_of_2
+from pallas_kernels.verify_attention import (attend_pages, check_paged_args, choose_blocks,
+                                             init_carry, load_query_tile, masked_gqa_attention,
+                                             paged_attention_call, softmax_scale, softmax_step,
+                                             store_output)
+
+_TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
+# The block's own keys are one tile of up to this many tokens.
+MAX_BLOCK = 128
+
+
+def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                    page_table: jax.Array, context_lens: jax.Array,
+                                    block_k: jax.Array, block_v: jax.Array,
+                                    block_lens: jax.Array | None = None, *,
+                                    sliding_window: int | None = None,
+                                    causal: bool = False) -> jax.Array:
+    """q, block_k/v: [B, T, H*, D]; pages [P, S, Hkv, D]; page_table [B, n]; lens [B] int32."""
+    batch, block = q.shape[:2]
+    if block_lens is None:
+        block_lens = jnp.full((batch,), block, jnp.int32)
+    ctx_k = gather_pages(k_pages, page_table)
+    ctx_v = gather_pages(v_pages, page_table)
+    keys = jnp.concatenate([ctx_k, block_k.astype(ctx_k.dtype)], axis=1)
+    values = jnp.concatenate([ctx_v, block_v.astype(ctx_v.dtype)], axis=1)
+    ctx_slots = ctx_k.shape[1]
+    t = jnp.arange(block)
+    q_pos = context_lens[:, None] + t[None, :]                                   # [B, T]
+    ctx_pos = jnp.broadcast_to(jnp.arange(ctx_slots), (batch, ctx_slots))
+    blk_pos = context_lens[:, None] + t[None, :]
+    k_pos = jnp.concatenate([ctx_pos, blk_pos], axis=1)                           # [B, K]
+    k_real = jnp.concatenate([ctx_pos < context_lens[:, None],
+                              t[None, :] < block_lens[:, None]], axis=1)          # [B, K]
+    visible = jnp.broadcast_to(k_real[:, None, :], (batch, block, k_pos.shape[1]))
+    if causal:
+        visible &= k_pos[:, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        distance = q_pos[:, :, None] - k_pos[:, None, :]
+        visible &= distance < sliding_window
+        if not causal:
+            visible &= -distance < sliding_window
+    return masked_gqa_attention(q, keys, values, visible)
+
+
+def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, *lse_refs,
+                  q_len: int, block_t: int, pages_per_block: int, num_splits: int,
+                  sliding_window: int | None, causal: bool):
+    split, tile, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, group, head_dim = q_ref.shape
+    rows = block_t * group
+    t0 = tile * block_t
+    context = ctx_ref[b]
+    t = t0 + lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
+    q = load_query_tile(q_ref, t0, block_t, q_len)
+    scale = softmax_scale(head_dim)
+    capacity = pt_ref.shape[0] * k_ref.shape[1]
+    if sliding_window is None:
+        kv_begin, row_lo = 0, None
+    else:
+        kv_begin = jnp.maximum(context + t0 - sliding_window + 1, 0)
+        row_lo = context + t - sliding_window
+    carry = attend_pages(q, k_ref, v_ref, pt_ref, init_carry(rows, head_dim), kv_begin=kv_begin,
+                         kv_end=jnp.minimum(context, capacity), row_end=None, row_lo=row_lo,
+                         split=split, num_splits=num_splits, pages_per_block=pages_per_block,
+                         scale=scale)
+
+    def attend_block(carry):
+        block = bk_ref.shape[0]
+        tile_k = max(16, next_power_of_2(block))
+        j = lax.broadcasted_iota(jnp.int32, (tile_k,), 0)
+        real = j < jnp.minimum(blen_ref[b], block)
+        mask = jnp.broadcast_to(real[:, None], (tile_k, head_dim))
+        k = plgpu.load(bk_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
+        v = plgpu.load(bv_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
+        visible = real[None, :]
+        distance = t[:, None] - j[None, :]
+        if causal:
+            visible = visible & (distance >= 0)
+        if sliding_window is not None:
+            visible = visible & (distance < sliding_window)
+            if not causal:
+                visible = visible & (-distance < sliding_window)
+        return softmax_step(carry, q, k, v, visible, scale)
+
+    if num_splits == 1:
+        carry = attend_block(carry)
+    else:
+        carry = lax.cond(split == num_splits - 1, attend_block, lambda c: c, carry)
+    store_output(o_ref, lse_refs, carry, t0, block_t, q_len)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "causal", "interpret",
+                                             *_TUNING_ARGS))
+def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                          page_table: jax.Array, context_lens: jax.Array, block_k: jax.Array,
+                          block_v: jax.Array, block_lens: jax.Array | None = None, *,
+                          sliding_window: int | None = None, causal: bool = False,
+                          interpret: bool = False, block_t: int | None = None,
+                          pages_per_block: int | None = None, num_splits: int | None = None,
+                          num_warps: int | None = None,
+                          num_stages: int | None = None) -> jax.Array:
+    """Pallas version of ``paged_draft_attention_reference`` (same arguments and result).
+
+    One kernel: paged context and the block's own K/V (cast to the pages' dtype) share one
+    online softmax. Tuning keywords as in ``paged_verify_attention``.
+    """
+    check_paged_args(q, k_pages, v_pages, page_table, context_lens, "context_lens")
+    batch, block = q.shape[:2]
+    kv_shape = (batch, block, k_pages.shape[2], q.shape[3])
+    for name, x in (("block_k", block_k), ("block_v", block_v)):
+        if x.shape != kv_shape:
+            raise ValueError(f"{name} must be [batch, T, kv_heads, head_dim] = {kv_shape}, "
+                             f"got {x.shape}")
+    if block > MAX_BLOCK:
+        raise ValueError(f"q block length T must be <= {MAX_BLOCK}, got {block}")
+    if block_lens is None:
+        block_lens = jnp.full((batch,), block, jnp.int32)
+    elif block_lens.shape != (batch,) or not jnp.issubdtype(block_lens.dtype, jnp.integer):
+        raise ValueError(f"block_lens must be an integer [batch={batch}] array, got "
+                         f"{block_lens.dtype} {block_lens.shape}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    blocks = choose_blocks(q, k_pages, page_table, block_t=block_t,
+                           pages_per_block=pages_per_block, num_splits=num_splits,
+                           num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(_draft_kernel, q_len=block, block_t=blocks.block_t,
+                               pages_per_block=blocks.pages_per_block,
+                               num_splits=blocks.num_splits, sliding_window=sliding_window,
+                               causal=causal)
+    return paged_attention_call(
+        kernel, q, k_pages, v_pages, page_table, [context_lens, block_lens],
+        [block_k.astype(k_pages.dtype), block_v.astype(v_pages.dtype)], blocks,
+        interpret=interpret, name="paged_draft_attention")

@@ -1,0 +1,249 @@
+"""RMSNorm and rotary embedding (Qwen3 conventions): references and fused Pallas kernels.
+
+Math follows HF Qwen3: RMSNorm in f32, cast back, times the weight; RoPE with
+``inv_freq = theta ** (-2i / head_dim)``, rotate-half layout, cos/sin cast to the input dtype.
+
+``norm_rope`` fuses the per-head RMSNorm and RoPE of q (one read, one write); ``norm_rope_write``
+does the same for k and scatters it, with v unchanged, straight into the paged cache (the pages
+are aliased to the outputs, so a donated cache is updated in place). Both kernels work on rows
+``(token, head)`` of ``head_dim`` values, ``block_rows`` rows per program, and handle the two
+rotate-half halves as separate loads/stores (Triton has no lane shuffles).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paging import write_pages
+from pallas_kernels.tuning import row_block
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; statistics in f32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _inv_freq(head_dim: int, theta: float) -> jax.Array:
+    """theta ** (-2i / head_dim) rounded once to f32: computed in float64 on the host, because an
+    f32 ``pow`` gives different last bits eagerly and under jit (XLA folds the constant), which
+    shifts the RoPE phase by ~1e-3 rad at position 32k."""
+    return jnp.asarray(1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim), jnp.float32)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin tables [..., head_dim] for integer positions [...]."""
+    freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(head_dim, theta)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate x [..., T, heads, head_dim] by its positions [..., T]."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, x.dtype)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def norm_rope_reference(x: jax.Array, weight: jax.Array, positions: jax.Array, *,
+                        eps: float, theta: float) -> jax.Array:
+    """Per-head RMSNorm (weight [head_dim]) then RoPE: x [B, T, heads, head_dim]."""
+    return apply_rope(rms_norm(x, weight, eps), positions, theta)
+
+
+def norm_rope_write_reference(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
+                              k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
+                              eps: float, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Store norm_rope(k) and v [B, T, Hkv, D] at ``positions`` [B, T] into their pages."""
+    k = norm_rope_reference(k, k_norm_weight, positions, eps=eps, theta=theta)
+    return (write_pages(k_pages, page_table, positions, k),
+            write_pages(v_pages, page_table, positions, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _row_mask(r0, block_rows: int, num_rows: int, width: int):
+    ok = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0) < num_rows
+    return ok, jnp.broadcast_to(ok[:, None], (block_rows, width))
+
+
+def _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows: int, *, eps: float):
+    """Rows [r0, r0 + block_rows) of x [rows, D], normalized and rotated: two [rows, D/2] halves.
+
+    Rounds where the reference does (normed and weight product to x's dtype, cos/sin to x's
+    dtype) and does the rotation in f32.
+    """
+    num_rows, head_dim = x_ref.shape
+    half = head_dim // 2
+    dtype = x_ref.dtype
+    _, mask = _row_mask(r0, block_rows, num_rows, half)
+    x1 = plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(0, half)], mask=mask,
+                    other=0).astype(jnp.float32)
+    x2 = plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(half, half)], mask=mask,
+                    other=0).astype(jnp.float32)
+    inv_rms = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim + eps)
+
+    def round_(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    def normed(x, w):
+        return round_(round_(w_ref[w])[None, :] * round_(x * inv_rms[:, None]))
+
+    n1, n2 = normed(x1, pl.ds(0, half)), normed(x2, pl.ds(half, half))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_ref[...][None, :]
+    cos, sin = round_(jnp.cos(freqs)), round_(jnp.sin(freqs))
+    return (n1 * cos - n2 * sin).astype(dtype), (n2 * cos + n1 * sin).astype(dtype)
+
+
+def _norm_rope_kernel(pos_ref, x_ref, w_ref, inv_ref, o_ref, *, heads: int, block_rows: int,
+                      eps: float):
+    r0 = pl.program_id(0) * block_rows
+    num_rows, head_dim = x_ref.shape
+    half = head_dim // 2
+    rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    ok, mask = _row_mask(r0, block_rows, num_rows, half)
+    positions = plgpu.load(pos_ref.at[rows // heads], mask=ok, other=0)
+    out1, out2 = _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows, eps=eps)
+    plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(0, half)], out1, mask=mask)
+    plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(half, half)], out2, mask=mask)
+
+
+def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be [batch, T, heads, head_dim], got shape {x.shape}")
+    head_dim = x.shape[3]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"{name} head_dim must be a power of two >= 16, got {head_dim}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if weight.shape != (head_dim,):
+        raise ValueError(f"weight must be [head_dim={head_dim}], got {weight.shape}")
+    if positions.shape != x.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be an integer [batch, T] = {x.shape[:2]} array, got "
+                         f"{positions.dtype} {positions.shape}")
+
+
+def _compiler_params(num_warps: int | None, num_stages: int | None):
+    return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 1)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret", "block_rows",
+                                             "num_warps", "num_stages"))
+def norm_rope(x: jax.Array, weight: jax.Array, positions: jax.Array, *, eps: float, theta: float,
+              interpret: bool = False, block_rows: int | None = None,
+              num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+    """Pallas version of ``norm_rope_reference``: x [B, T, H, D], weight [D], positions [B, T].
+
+    block_rows (rows of one head's D values per program) defaults to ``tuning.row_block``.
+    """
+    _check_rows("x", x, weight, positions)
+    batch, q_len, heads, head_dim = x.shape
+    num_rows = batch * q_len * heads
+    block_rows = block_rows or row_block(num_rows)
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    kernel = functools.partial(_norm_rope_kernel, heads=heads, block_rows=block_rows, eps=eps)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_rows),),
+        out_shape=jax.ShapeDtypeStruct((num_rows, head_dim), x.dtype),
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="norm_rope",
+    )(positions.reshape(-1).astype(jnp.int32), x.reshape(num_rows, head_dim), weight,
+      _inv_freq(head_dim, theta))
+    return out.reshape(x.shape)
+
+
+def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, inv_ref, _k_in, _v_in,
+                            k_pages_ref, v_pages_ref, *, q_len: int, heads: int,
+                            block_rows: int, eps: float):
+    r0 = pl.program_id(0) * block_rows
+    num_rows, head_dim = k_ref.shape
+    num_pages, page_size = k_pages_ref.shape[:2]
+    pages_per_seq = pt_ref.shape[1]
+    half = head_dim // 2
+    rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    token, head = rows // heads, rows % heads
+    in_rows = rows < num_rows
+    positions = plgpu.load(pos_ref.at[token], mask=in_rows, other=0)
+    logical = positions // page_size
+    ok = in_rows & (positions >= 0) & (logical < pages_per_seq)
+    page = plgpu.load(pt_ref.at[token // q_len, jnp.clip(logical, 0, pages_per_seq - 1)],
+                      mask=ok, other=num_pages)
+    ok &= (page >= 0) & (page < num_pages)
+    # Dropped rows also point past the last page, so interpret mode's scatter drops them too.
+    page = jnp.where(ok, page, num_pages)[:, None]
+    slot, head = (positions % page_size)[:, None], head[:, None]
+    first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
+
+    def store(ref, value, d):
+        plgpu.store(ref.at[page, slot, head, d], value,
+                    mask=jnp.broadcast_to(ok[:, None], value.shape))
+
+    k1, k2 = _norm_rope_rows(k_ref, w_ref, inv_ref, positions, r0, block_rows, eps=eps)
+    store(k_pages_ref, k1, first)
+    store(k_pages_ref, k2, first + half)
+    _, mask = _row_mask(r0, block_rows, num_rows, head_dim)
+    v = plgpu.load(v_ref.at[pl.ds(r0, block_rows)], mask=mask, other=0)
+    store(v_pages_ref, v.astype(v_pages_ref.dtype),
+          lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret", "block_rows",
+                                             "num_warps", "num_stages"))
+def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
+                    k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
+                    eps: float, theta: float, interpret: bool = False,
+                    block_rows: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pallas version of ``norm_rope_write_reference``: returns the updated (k_pages, v_pages).
+
+    k, v: [B, T, Hkv, D]; positions [B, T]; pages [P, S, Hkv, D]; page_table [B, n] int32.
+    Positions outside the page table (or mapped to a page id outside [0, P)) are dropped. The
+    pages are aliased to the outputs: donate them (or call inside a jit that owns them) and the
+    update is in place; otherwise XLA copies them first.
+    """
+    _check_rows("k", k, k_norm_weight, positions)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
+    batch, q_len, heads, head_dim = k.shape
+    if k_pages.ndim != 4 or k_pages.shape[2:] != (heads, head_dim):
+        raise ValueError(f"k_pages must be [num_pages, page_size, {heads}, {head_dim}], got "
+                         f"{k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
+    if k_pages.dtype != k.dtype:
+        raise ValueError(f"k_pages dtype {k_pages.dtype} must equal k dtype {k.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32 [batch={batch}, pages_per_seq], got "
+                         f"{page_table.dtype} {page_table.shape}")
+    num_rows = batch * q_len * heads
+    block_rows = block_rows or row_block(num_rows)
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    kernel = functools.partial(_norm_rope_write_kernel, q_len=q_len, heads=heads,
+                               block_rows=block_rows, eps=eps)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_rows),),
+        out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="norm_rope_write",
+    )(positions.reshape(-1).astype(jnp.int32), page_table, k.reshape(num_rows, head_dim),
+      v.reshape(num_rows, head_dim), k_norm_weight, _inv_freq(head_dim, theta), k_pages, v_pages)

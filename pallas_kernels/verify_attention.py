@@ -1,0 +1,339 @@
+"""Causal attention of 1..T new query tokens per sequence over its paged KV (verify, decode, prefill).
+
+Query ``t`` of sequence ``b`` sits at position ``start[b] + t`` and sees every cached key at a
+position ``<= start[b] + t`` (and, with a sliding window ``w``, ``> start[b] + t - w``). The new
+tokens' K/V must already be written to the pages.
+
+The kernel (Pallas, Triton lowering) runs one program per (context split, query tile, sequence,
+KV head). A program holds the rows of every query head of its KV head for ``block_t`` query
+tokens (``rows = block_t * group``, GQA shares each K/V tile across the group) and streams the
+sequence's pages through an online softmax, ``pages_per_block`` pages per step, reading only the
+pages its rows can see (ragged lengths, sliding window). When batch x heads is too small to fill
+the GPU the context is split over ``num_splits`` programs whose partial results are merged by
+log-sum-exp in plain XLA. The page loop and the softmax step here are shared with
+``draft_attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paging import gather_pages
+from pallas_kernels.tuning import AttentionBlocks, attention_blocks
+
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
+
+
+def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention with an explicit mask, grouped-query heads, f32 statistics.
+
+    q: [B, T, Hq, D]; k, v: [B, K, Hkv, D]; visible: [B, T, K] bool. Rows with nothing visible
+    return zeros. Invisible keys may hold anything (NaN included): they never reach the output.
+    """
+    batch, num_q, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    any_query_sees = jnp.any(visible, axis=1)[:, :, None, None]  # [B, K, 1, 1]
+    k = jnp.where(any_query_sees, k, 0).astype(jnp.float32)
+    v = jnp.where(any_query_sees, v, 0).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, num_q, kv_heads, group, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * (head_dim ** -0.5)
+    mask = visible[:, None, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0)), 0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    return out.reshape(batch, num_q, q_heads, head_dim).astype(q.dtype)
+
+
+def paged_verify_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                     page_table: jax.Array, start: jax.Array, *,
+                                     sliding_window: int | None = None) -> jax.Array:
+    """q [B, T, Hq, D]; k/v_pages [P, S, Hkv, D]; page_table [B, pages_per_seq]; start [B]."""
+    keys = gather_pages(k_pages, page_table)
+    values = gather_pages(v_pages, page_table)
+    q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]  # [B, T]
+    k_pos = jnp.arange(keys.shape[1])
+    visible = k_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        visible &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    return masked_gqa_attention(q, keys, values, visible)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel pieces shared with draft_attention.
+
+
+def _iota(n: int, shape: tuple[int, ...] | None = None, dim: int = 0) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, shape or (n,), dim)
+
+
+def softmax_step(carry, q, k, v, visible, scale):
+    """One online-softmax update of (acc [R, D], m [R], l [R]) by keys k, v [N, D].
+
+    Statistics live in the log2 domain (``scale`` includes log2(e)); masked scores are -inf and
+    a row that has seen nothing keeps m = -inf, l = 0 (it comes out as zeros, like the reference).
+    f32 inputs use full-precision dots (Triton would otherwise use TF32).
+    """
+    acc, m, l = carry
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_safe[:, None])
+    alpha = jnp.exp2(m - m_safe)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+
+def attend_pages(q, k_ref, v_ref, pt_ref, carry, *, kv_begin, kv_end, row_end, row_lo, split,
+                 num_splits, pages_per_block, scale):
+    """Run the online softmax over the paged keys at positions [kv_begin, kv_end).
+
+    k_ref, v_ref: [num_pages, page_size, D] (one KV head); pt_ref: [pages_per_seq] (one
+    sequence). Steps cover ``pages_per_block`` pages starting at the page holding kv_begin; the
+    steps are divided evenly among ``num_splits`` programs and this one runs part ``split``.
+    Loads are masked per token, so nothing outside [kv_begin, kv_end) or past the page table is
+    read. Row r sees key position p iff row_lo[r] < p < row_end[r] (either bound may be None).
+    """
+    num_pages, page_size, head_dim = k_ref.shape
+    block_k = pages_per_block * page_size
+    first_page = kv_begin // page_size
+    num_steps = jnp.maximum(kv_end - first_page * page_size + block_k - 1, 0) // block_k
+    per_split = (num_steps + num_splits - 1) // num_splits
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_steps)
+    offsets = _iota(block_k)
+    d = _iota(head_dim, (1, head_dim), 1)
+
+    def body(step, carry):
+        pos = (first_page + step * pages_per_block) * page_size + offsets
+        in_range = (pos >= kv_begin) & (pos < kv_end)
+        ids = plgpu.load(pt_ref.at[pos // page_size], mask=in_range, other=0)
+        ok = in_range & (ids >= 0) & (ids < num_pages)
+        index = (ids[:, None], (pos % page_size)[:, None], d)
+        mask = jnp.broadcast_to(ok[:, None], (block_k, head_dim))
+        k = plgpu.load(k_ref.at[index], mask=mask, other=0)
+        v = plgpu.load(v_ref.at[index], mask=mask, other=0)
+        visible = ok[None, :]
+        if row_end is not None:
+            visible = visible & (pos[None, :] < row_end[:, None])
+        if row_lo is not None:
+            visible = visible & (pos[None, :] > row_lo[:, None])
+        return softmax_step(carry, q, k, v, visible, scale)
+
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def init_carry(rows: int, head_dim: int):
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def load_query_tile(q_ref, t0, block_t: int, q_len: int) -> jax.Array:
+    """Rows (t, g) -> t * group + g of the query tile [t0, t0 + block_t): [block_t * group, D]."""
+    _, group, head_dim = q_ref.shape
+    t_ok = t0 + _iota(block_t) < q_len
+    mask = jnp.broadcast_to(t_ok[:, None, None], (block_t, group, head_dim))
+    q = plgpu.load(q_ref.at[pl.ds(t0, block_t)], mask=mask, other=0)
+    return q.reshape(block_t * group, head_dim)
+
+
+def store_output(o_ref, lse_refs, carry, t0, block_t: int, q_len: int) -> None:
+    """Write the normalized rows (and, when the context is split, their log2-sum-exp)."""
+    acc, m, l = carry
+    rows, head_dim = acc.shape
+    group = rows // block_t
+    t_ok = t0 + _iota(block_t) < q_len
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(block_t, group, head_dim)
+    plgpu.store(o_ref.at[pl.ds(t0, block_t)], out.astype(o_ref.dtype),
+                mask=jnp.broadcast_to(t_ok[:, None, None], out.shape))
+    for lse_ref in lse_refs:
+        lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref.at[pl.ds(t0, block_t)], lse.reshape(block_t, group),
+                    mask=jnp.broadcast_to(t_ok[:, None], (block_t, group)))
+
+
+def softmax_scale(head_dim: int) -> float:
+    return head_dim ** -0.5 * math.log2(math.e)
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> None:
+    """ValueError naming the argument for shapes/dtypes the kernels do not handle."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, T, q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], "
+                         f"got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
+    batch, _, q_heads, head_dim = q.shape
+    _, page_size, kv_heads, kv_dim = k_pages.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"k_pages head_dim {kv_dim} != q head_dim {head_dim}")
+    if not _is_power_of_2(head_dim) or head_dim < 16:
+        raise ValueError(f"q head_dim must be a power of two >= 16, got {head_dim}")
+    if q_heads % kv_heads or not _is_power_of_2(q_heads // kv_heads):
+        raise ValueError(f"q heads ({q_heads}) must be a power-of-two multiple of k_pages "
+                         f"kv_heads ({kv_heads})")
+    if not _is_power_of_2(page_size):
+        raise ValueError(f"k_pages page_size must be a power of two, got {page_size}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"k_pages/v_pages dtype ({k_pages.dtype}, {v_pages.dtype}) must equal "
+                         f"q dtype {q.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32 [batch={batch}, pages_per_seq], got "
+                         f"{page_table.dtype} {page_table.shape}")
+    if lens.shape != (batch,) or not jnp.issubdtype(lens.dtype, jnp.integer):
+        raise ValueError(f"{lens_name} must be an integer [batch={batch}] array, got "
+                         f"{lens.dtype} {lens.shape}")
+
+
+def choose_blocks(q, k_pages, page_table, **tuning) -> AttentionBlocks:
+    """The tuning rule's blocks (overridden by any tuning keyword given), validated."""
+    batch, q_len, q_heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1:3]
+    group = q_heads // kv_heads
+    blocks = attention_blocks(q_len=q_len, group=group, head_dim=head_dim, page_size=page_size,
+                              pages_per_seq=page_table.shape[1], batch=batch, kv_heads=kv_heads,
+                              **tuning)
+    rows = blocks.block_t * group
+    if not _is_power_of_2(rows) or rows < 16:
+        raise ValueError(f"block_t * group must be a power of two >= 16, got "
+                         f"{blocks.block_t} * {group}")
+    block_k = blocks.pages_per_block * page_size
+    if not _is_power_of_2(block_k) or block_k < 16:
+        raise ValueError(f"pages_per_block * page_size must be a power of two >= 16, got "
+                         f"{blocks.pages_per_block} * {page_size}")
+    if blocks.num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {blocks.num_splits}")
+    return blocks
+
+
+def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Merge per-split normalized outputs o [S, ...,  D] by their log2-sum-exp lse [S, ...]."""
+    top = jnp.max(lse, axis=0)
+    weights = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
+    denom = jnp.sum(weights, axis=0)
+    out = jnp.sum(weights[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(dtype)
+
+
+def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, block_kv,
+                         blocks: AttentionBlocks, *, interpret: bool, name: str) -> jax.Array:
+    """Launch a paged attention kernel over grid (split, query tile, sequence, KV head).
+
+    Kernel refs, in order: one [batch] ref per ``seq_scalars`` array, the page table row
+    [pages_per_seq], the query tile source [T, group, D], k/v pages [P, S, D] of one head, one
+    [T_kv, D] ref per ``block_kv`` array ([B, T_kv, Hkv, D]), the output [T, group, D] and, when
+    the context is split, the log2-sum-exp [T, group].
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    group = q_heads // kv_heads
+    splits = blocks.num_splits
+    grid = (splits, pl.cdiv(q_len, blocks.block_t), batch, kv_heads)
+    q5 = q.reshape(batch, q_len, kv_heads, group, head_dim)
+
+    seq_spec = pl.BlockSpec((batch,), lambda s, i, b, h: (0,))
+    pt_spec = pl.BlockSpec((None, page_table.shape[1]), lambda s, i, b, h: (b, 0))
+    q_spec = pl.BlockSpec((None, q_len, None, group, head_dim), lambda s, i, b, h: (b, 0, h, 0, 0))
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, i, b, h: (0, 0, h, 0))
+    block_specs = [pl.BlockSpec((None, x.shape[1], None, head_dim), lambda s, i, b, h: (b, 0, h, 0))
+                   for x in block_kv]
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q5.shape, q.dtype)]
+        out_specs = [q_spec]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((splits, *q5.shape), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, *q5.shape[:-1]), jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, None, q_len, None, group, head_dim),
+                         lambda s, i, b, h: (s, b, 0, h, 0, 0)),
+            pl.BlockSpec((None, None, q_len, None, group), lambda s, i, b, h: (s, b, 0, h, 0)),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[seq_spec] * len(seq_scalars) + [pt_spec, q_spec, kv_spec, kv_spec] + block_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*[x.astype(jnp.int32) for x in seq_scalars], page_table, q5, k_pages, v_pages, *block_kv)
+    out = outs[0] if splits == 1 else combine_splits(*outs, q.dtype)
+    return out.reshape(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify / decode / prefill kernel.
+
+
+def _verify_kernel(start_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs, q_len: int,
+                   block_t: int, pages_per_block: int, num_splits: int,
+                   sliding_window: int | None):
+    split, tile, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, group, head_dim = q_ref.shape
+    t0 = tile * block_t
+    start = start_ref[b]
+    q_pos = start + t0 + _iota(block_t * group) // group
+    last_t = jnp.minimum(t0 + block_t, q_len) - 1
+    capacity = pt_ref.shape[0] * k_ref.shape[1]
+    if sliding_window is None:
+        kv_begin, row_lo = 0, None
+    else:
+        kv_begin, row_lo = jnp.maximum(start + t0 - sliding_window + 1, 0), q_pos - sliding_window
+    carry = attend_pages(
+        load_query_tile(q_ref, t0, block_t, q_len), k_ref, v_ref, pt_ref,
+        init_carry(block_t * group, head_dim),
+        kv_begin=kv_begin, kv_end=jnp.minimum(start + last_t + 1, capacity), row_end=q_pos + 1,
+        row_lo=row_lo, split=split, num_splits=num_splits, pages_per_block=pages_per_block,
+        scale=softmax_scale(head_dim))
+    store_output(o_ref, lse_refs, carry, t0, block_t, q_len)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", *_TUNING_ARGS))
+def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, start: jax.Array, *,
+                           sliding_window: int | None = None, interpret: bool = False,
+                           block_t: int | None = None, pages_per_block: int | None = None,
+                           num_splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> jax.Array:
+    """Pallas version of ``paged_verify_attention_reference`` (same arguments and result).
+
+    Tuning keywords default to ``tuning.attention_blocks``: block_t query tokens per program,
+    pages_per_block pages per softmax step, num_splits context partitions, Triton num_warps and
+    num_stages.
+    """
+    check_paged_args(q, k_pages, v_pages, page_table, start, "start")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    blocks = choose_blocks(q, k_pages, page_table, block_t=block_t,
+                           pages_per_block=pages_per_block, num_splits=num_splits,
+                           num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(_verify_kernel, q_len=q.shape[1], block_t=blocks.block_t,
+                               pages_per_block=blocks.pages_per_block,
+                               num_splits=blocks.num_splits, sliding_window=sliding_window)
+    return paged_attention_call(kernel, q, k_pages, v_pages, page_table, [start], [], blocks,
+                                interpret=interpret, name="paged_verify_attention")
