@@ -155,13 +155,14 @@ def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16) -> tuple[DraftConfi
     expected["norm.weight"] = ((h,), False)
     ignored = lambda name: name.endswith("rotary_emb.inv_freq")  # noqa: E731
     if config.source_format == "speculators":
-        draft_vocab = config.draft_vocab_size or model.vocab_size
-        expected["lm_head.weight"] = ((draft_vocab, h), True)
+        # Speculators drafts carry copies of the target's embedding and LM head (the target's are
+        # used); a reduced vocabulary brings its own LM head rows and the d2t/t2d maps.
+        copies = {"embed_tokens.weight", "lm_head.weight"}
         if config.draft_vocab_size is not None:
-            expected["d2t"] = ((draft_vocab,), False)
+            expected["lm_head.weight"] = ((config.draft_vocab_size, h), True)
+            expected["d2t"] = ((config.draft_vocab_size,), False)
             expected["t2d"] = ((model.vocab_size,), False)
-        # The speculators draft carries a copy of the target's embedding; the target's is used.
-        ignored = lambda name: name == "embed_tokens.weight" or name.endswith("rotary_emb.inv_freq")  # noqa: E731
+        ignored = lambda name: name in copies or name.endswith("rotary_emb.inv_freq")  # noqa: E731
     collector = _Collector(expected, dtype, str(directory), ignored)
     for name, load, shape in iter_tensors(directory):
         collector.add(name, load, shape)

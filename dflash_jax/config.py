@@ -183,15 +183,16 @@ class DraftConfig:
         if mask is None:
             raise ConfigError(f"{where}: required field 'mask_token_id' is missing")
         draft_vocab = raw.get("draft_vocab_size")
-        is_causal = layer_raw.get("is_causal")
+        # speculators: full-attention layers are bidirectional; sliding ones causal unless
+        # sliding_window_non_causal (the same default as the z-lab reference).
+        non_causal_swa = bool(raw.get("sliding_window_non_causal", False))
         return cls(
             model=model,
             block_size=int(_require(raw, "block_size", where)),
             mask_token_id=int(mask),
             target_layer_ids=tuple(int(i) - 1 for i in aux),
             draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else int(draft_vocab),
-            causal_layers=tuple(k == "sliding_attention" if is_causal is None else bool(is_causal)
-                                for k in model.layer_types),
+            causal_layers=tuple(k == "sliding_attention" and not non_causal_swa for k in model.layer_types),
             source_format="speculators",
         )
 

@@ -6,6 +6,8 @@ draft with a reduced vocabulary brings its own LM head and a d2t map back to tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -38,30 +40,51 @@ def write_context(params: DraftParams, config: DraftConfig, taps: jax.Array, pos
     return cache
 
 
-def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams, block: jax.Array,
-                 cache: PagedKVCache, block_lens: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """Draft layers over block [B, T] = [last token, mask x (T-1)] at positions lengths[b] + t,
-    attending to the cached context and the block itself; final-normed hidden [B, T, H]."""
+def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, positions: jax.Array,
+                attend: Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array], *,
+                impl: str = "auto") -> jax.Array:
+    """Draft layers over block embeddings x [B, T, H] at ``positions`` [B, T]; final-normed.
+
+    ``attend(layer, q, k, v)`` gets the block's normed+roped q/k and v [B, T, heads, D] and
+    returns the attention output: inference attends over the paged context, training over
+    in-batch context with anchor masks. Everything else is shared.
+    """
     model = config.model
     eps, theta, dim = model.rms_norm_eps, model.rope_theta, model.head_dim
-    context_lens = cache.lengths
-    positions = context_lens[:, None] + jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
-    x = target.embed[block]
-    if config.input_embedding_scale != 1.0:
-        x = x * jnp.asarray(config.input_embedding_scale, x.dtype)
     for index, layer in enumerate(params.layers):
         h = rms_norm(x, layer.input_norm, eps)
         q = attention.norm_rope(split_heads(h @ layer.q_proj, dim), layer.q_norm, positions,
                                 eps=eps, theta=theta, impl=impl)
         k = attention.norm_rope(split_heads(h @ layer.k_proj, dim), layer.k_norm, positions,
                                 eps=eps, theta=theta, impl=impl)
-        v = split_heads(h @ layer.v_proj, dim)
-        out = attention.draft_attention(q, *cache.layer(cache.num_target_layers + index), cache.page_table,
-                                        context_lens, k, v, block_lens, sliding_window=model.window(index),
-                                        causal=bool(config.causal_layers[index]), impl=impl)
+        out = attend(index, q, k, split_heads(h @ layer.v_proj, dim))
         x = x + out.reshape(*out.shape[:2], -1) @ layer.o_proj
         x = x + mlp(rms_norm(x, layer.post_attention_norm, eps), layer)
     return rms_norm(x, params.norm, eps)
+
+
+def embed_block(config: DraftConfig, target: TargetParams, block: jax.Array) -> jax.Array:
+    """Block tokens [B, T] through the target's embedding (x input_embedding_scale)."""
+    x = target.embed[block]
+    if config.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(config.input_embedding_scale, x.dtype)
+    return x
+
+
+def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams, block: jax.Array,
+                 cache: PagedKVCache, block_lens: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """Draft hidden [B, T, H] for block [B, T] = [last token, mask x (T-1)] at positions
+    lengths[b] + t, attending to the cached context and the block's first block_lens[b] keys."""
+    context_lens = cache.lengths
+    positions = context_lens[:, None] + jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
+
+    def attend(index, q, k, v):
+        return attention.draft_attention(
+            q, *cache.layer(cache.num_target_layers + index), cache.page_table, context_lens, k, v,
+            block_lens, sliding_window=config.model.window(index),
+            causal=bool(config.causal_layers[index]), impl=impl)
+
+    return layer_stack(params, config, embed_block(config, target, block), positions, attend, impl=impl)
 
 
 def draft_logits(params: DraftParams, config: DraftConfig, target: TargetParams,
