@@ -133,6 +133,15 @@ class DraftConfig:
     causal_layers: tuple[bool, ...] = ()
     source_format: str = "z-lab"
 
+    def __post_init__(self):
+        if not self.causal_layers:
+            object.__setattr__(self, "causal_layers", (False,) * self.model.num_layers)
+        if len(self.causal_layers) != self.model.num_layers:
+            raise ConfigError(f"causal_layers has {len(self.causal_layers)} entries for "
+                              f"{self.model.num_layers} draft layers")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "draft config.json") -> "DraftConfig":
         if raw.get("speculators_model_type") is not None:

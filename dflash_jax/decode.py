@@ -35,14 +35,15 @@ from dflash_jax.sampling import SamplingConfig, accept_greedy, accept_sampling, 
 class LoopConfig:
     """Static choices of one compiled loop. ``draft`` None means plain decoding (block 1).
     ``accept_replay`` (benchmarks only) replaces the accept decision: each draft position is
-    accepted independently with this probability, up to the first rejection."""
+    accepted independently with probability ``replay_alpha`` (a run-time argument of
+    ``decode_chunk``, so one compile serves every alpha), up to the first rejection."""
 
     target: ModelConfig
     draft: DraftConfig | None
     block_size: int
     sampling: SamplingConfig
     impl: str = "auto"
-    accept_replay: float | None = None
+    accept_replay: bool = False
 
     def __post_init__(self):
         if self.draft is None and self.block_size != 1:
@@ -128,13 +129,13 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
 
 
 def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, block_lens: jax.Array,
-            config: LoopConfig) -> tuple[jax.Array, jax.Array]:
+            config: LoopConfig, replay_alpha: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(accepted drafts n [B], bonus token [B]) for verify logits [B, block, V]."""
     if config.draft is None:
         return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], config.sampling)
-    if config.accept_replay is not None:
+    if config.accept_replay:
         replay_key, key = jax.random.split(key)
-        hits = jax.random.uniform(replay_key, drafts.shape) < config.accept_replay
+        hits = jax.random.uniform(replay_key, drafts.shape) < replay_alpha
         hits &= jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1
         accepted = jnp.sum(jnp.cumprod(hits.astype(jnp.int32), axis=1), axis=1)
         next_logits = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
@@ -145,7 +146,7 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
 
 
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                config: LoopConfig) -> DecodeState:
+                config: LoopConfig, replay_alpha: jax.Array | None = None) -> DecodeState:
     """One speculation step (draft, verify, accept, commit) for every unfinished sequence."""
     cache = state.cache
     start = cache.lengths
@@ -163,7 +164,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     hidden, taps, cache = target_model.forward(target, config.target, block, start, cache,
                                                tap_layers=config.tap_layers, impl=config.impl)
     accepted, bonus = _accept(accept_key, drafts, draft_probs, target_model.logits(target, hidden),
-                              block_lens, config)
+                              block_lens, config, replay_alpha)
 
     # Emitted run: the accepted drafts then the bonus; cut at max_new_tokens and stop tokens.
     slots = jnp.arange(config.block_size)[None, :]
@@ -195,13 +196,16 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("state",))
-def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, *,
-                 config: LoopConfig, num_steps: int) -> DecodeState:
+def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
+                 replay_alpha: jax.Array | None = None, *, config: LoopConfig, num_steps: int) -> DecodeState:
     """Up to ``num_steps`` decode steps in one on-device ``lax.while_loop``; stops early once
-    every sequence is done. Callers stream text between chunks."""
+    every sequence is done. Callers stream text between chunks. ``replay_alpha`` (scalar) is
+    required exactly when ``config.accept_replay``."""
+    if config.accept_replay != (replay_alpha is not None):
+        raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
     stop_at = state.iteration + num_steps
 
     def running(s: DecodeState):
         return (s.iteration < stop_at) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(running, lambda s: decode_step(target, draft, s, config), state)
+    return jax.lax.while_loop(running, lambda s: decode_step(target, draft, s, config, replay_alpha), state)

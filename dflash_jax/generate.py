@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -110,20 +109,53 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
-             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
-             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-             block_size: int | None = None, page_size: int = 16, num_pages: int | None = None,
-             seed: int = 0, impl: str = "auto", chunk_steps: int | None = None,
-             on_chunk: Callable[[list[list[int]]], None] | None = None,
-             accept_replay: float | None = None) -> GenerationResult:
-    """Generate for a batch of token-id prompts of any lengths.
+@dataclasses.dataclass
+class PreparedGeneration:
+    """A batch ready to run: compiled prefill and decode chunk, and everything they take.
 
-    With ``draft`` it runs DFlash speculative decoding (block size = the draft's unless
-    ``block_size`` is given); without, plain autoregressive decoding. Greedy output is the same
-    either way. ``on_chunk`` receives the tokens so far after every ``chunk_steps`` steps (for
-    streaming). ``accept_replay`` is a benchmark-only override of the accept decision.
+    ``prefill()`` makes a fresh cache each call, so one preparation can be run many times
+    (benchmarks do); ``chunk(state)`` advances every sequence by up to ``chunk_steps`` steps.
     """
+
+    config: LoopConfig
+    target: Target
+    draft: Draft | None
+    inputs: tuple                  # prompts, prompt_lens, max_new_tokens, stop_tokens
+    page_table: np.ndarray
+    num_pages: int
+    page_size: int
+    prefill_fn: Callable
+    chunk_fn: Callable
+    compile_seconds: float
+
+    def new_cache(self):
+        groups = [(self.config.target, self.config.target.num_layers)]
+        if self.config.draft is not None:
+            groups.append((self.config.draft.model, self.config.draft.model.num_layers))
+        return init_cache(groups, self.page_table, self.num_pages, self.page_size,
+                          self.target.params.embed.dtype)
+
+    def prefill(self, seed: int = 0) -> DecodeState:
+        return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
+                               jax.random.key(seed))
+
+    def chunk(self, state: DecodeState, replay_alpha: float | None = None) -> DecodeState:
+        alpha = None if replay_alpha is None else jnp.float32(replay_alpha)
+        return self.chunk_fn(self.target.params, self._draft_params, state, alpha)
+
+    @property
+    def _draft_params(self):
+        return None if self.draft is None else self.draft.params
+
+
+def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
+            max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
+            stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+            block_size: int | None = None, page_size: int = 16, num_pages: int | None = None,
+            impl: str = "auto", chunk_steps: int | None = None,
+            accept_replay: bool = False) -> PreparedGeneration:
+    """Validate a batch, allocate its pages and compile its prefill and decode chunk (the
+    arguments are those of ``generate``). Raises before any device work on bad input."""
     sampling = sampling or SamplingConfig()
     batch = len(prompts)
     if batch == 0:
@@ -146,44 +178,62 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
                         block_size=block_size or 1, sampling=sampling, impl=impl, accept_replay=accept_replay)
 
     lens = [len(p) for p in prompts]
-    padded_len = _round_up(max(lens), page_size)
-    # Every position a sequence may touch: its padded prompt, and its last block.
-    touched = [max(padded_len, n + m + config.block_size) for n, m in zip(lens, max_new)]
     limit = target.config.max_position_embeddings
     if max(n + m for n, m in zip(lens, max_new)) > limit:
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings ({limit})")
+    padded_len = _round_up(max(lens), page_size)
+    # Every position a sequence may touch: its padded prompt, and its last block.
+    touched = [max(padded_len, n + m + config.block_size) for n, m in zip(lens, max_new)]
     page_table, num_pages = allocate_pages(touched, page_size, num_pages)
-    dtype = target.params.embed.dtype
-    groups = [(target.config, target.config.num_layers)]
-    if draft is not None:
-        groups.append((draft.config.model, draft.config.model.num_layers))
-    cache = init_cache(groups, page_table, num_pages, page_size, dtype)
 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
+    inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
+              jnp.asarray(_stop_array(stop_token_ids, batch)))
     max_steps = max(max_new)
     buffer_len = max_steps + config.block_size
-    prefill_args = (target.params, None if draft is None else draft.params, jnp.asarray(tokens),
-                    jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
-                    jnp.asarray(_stop_array(stop_token_ids, batch)), cache, jax.random.key(seed))
-    chunk = chunk_steps or max_steps
-
-    compile_start = time.perf_counter()
-    prefill_fn = prefill.lower(*prefill_args, config=config, buffer_len=buffer_len,
-                               max_steps=max_steps).compile()
-    state_shape = jax.eval_shape(lambda *a: prefill(*a, config=config, buffer_len=buffer_len,
-                                                    max_steps=max_steps), *prefill_args)
-    chunk_fn = decode_chunk.lower(target.params, prefill_args[1], state_shape, config=config,
-                                  num_steps=chunk).compile()
-    compile_seconds = time.perf_counter() - compile_start
-
+    statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
+    prepared = PreparedGeneration(config, target, draft, inputs, page_table, num_pages, page_size,
+                                  None, None, 0.0)
+    args = (target.params, prepared._draft_params, *inputs, prepared.new_cache(), jax.random.key(0))
     start = time.perf_counter()
-    state: DecodeState = jax.block_until_ready(prefill_fn(*prefill_args))
+    prepared.prefill_fn = prefill.lower(*args, **statics).compile()
+    state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
+    alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
+    prepared.chunk_fn = decode_chunk.lower(target.params, prepared._draft_params, state_shape, alpha,
+                                           config=config, num_steps=chunk_steps or max_steps).compile()
+    prepared.compile_seconds = time.perf_counter() - start
+    return prepared
+
+
+def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
+             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
+             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+             block_size: int | None = None, page_size: int = 16, num_pages: int | None = None,
+             seed: int = 0, impl: str = "auto", chunk_steps: int | None = None,
+             on_chunk: Callable[[list[list[int]]], None] | None = None,
+             accept_replay: float | None = None) -> GenerationResult:
+    """Generate for a batch of token-id prompts of any lengths.
+
+    With ``draft`` it runs DFlash speculative decoding (block size = the draft's unless
+    ``block_size`` is given); without, plain autoregressive decoding. Greedy output is the same
+    either way. ``max_new_tokens`` and ``stop_token_ids`` may be per sequence. ``on_chunk``
+    receives the tokens so far after every ``chunk_steps`` steps (streaming). ``impl`` picks
+    attention kernels or references (see dflash_jax.attention). ``accept_replay`` is a
+    benchmark-only override of the accept decision (each draft accepted with that probability).
+    """
+    prepared = prepare(target, prompts, draft=draft, max_new_tokens=max_new_tokens, sampling=sampling,
+                       stop_token_ids=stop_token_ids, block_size=block_size, page_size=page_size,
+                       num_pages=num_pages, impl=impl, chunk_steps=chunk_steps,
+                       accept_replay=accept_replay is not None)
+    batch = len(prompts)
+    start = time.perf_counter()
+    state = jax.block_until_ready(prepared.prefill(seed))
     prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while True:
-        state = chunk_fn(target.params, prefill_args[1], state)
+        state = prepared.chunk(state, accept_replay)
         done, counts, out = jax.device_get((state.done, state.num_generated, state.tokens))
         if on_chunk is not None:
             on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
@@ -193,7 +243,137 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
 
     steps, accept = jax.device_get((state.steps, state.accept_lengths))
     stats = GenerationStats(accept_lengths=[accept[i, :steps[i]].tolist() for i in range(batch)],
-                            new_tokens=counts.tolist(), block_size=config.block_size,
-                            compile_seconds=compile_seconds, prefill_seconds=prefill_seconds,
+                            new_tokens=counts.tolist(), block_size=prepared.config.block_size,
+                            compile_seconds=prepared.compile_seconds, prefill_seconds=prefill_seconds,
                             decode_seconds=decode_seconds)
     return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
+
+
+# ----------------------------------------------------------------------------- command line
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+def _read_prompts(args) -> list[str]:
+    if args.batch_file:
+        path = Path(args.batch_file)
+        if not path.is_file():
+            raise SystemExit(f"error: --batch-file {path} does not exist")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if path.suffix == ".jsonl":
+            return [json.loads(line)["prompt"] for line in lines]
+        return lines
+    return [args.prompt]
+
+
+def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None:
+    stats = result.stats
+    print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s decode, "
+          f"time to first token {stats.time_to_first_token * 1e3:.1f} ms "
+          f"(compile {stats.compile_seconds:.1f} s, not counted)", file=sys.stderr)
+    if with_draft:
+        hist = stats.histogram()
+        print(f"[{label}] tau (mean accepted length, bonus included) {stats.tau:.2f} over "
+              f"{sum(stats.steps)} steps; block {stats.block_size}", file=sys.stderr)
+        print(f"[{label}] accepted-length histogram 1..{stats.block_size}: {hist}", file=sys.stderr)
+        rates = " ".join(f"{r:.2f}" for r in stats.position_acceptance())
+        print(f"[{label}] per-position acceptance: {rates}", file=sys.stderr)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.generate", description=__doc__.strip().splitlines()[0])
+    p.add_argument("--target", help="HF Qwen3 folder or a folder made by checkpoints_convert")
+    p.add_argument("--draft", help="DFlash draft folder (z-lab or speculators format, or converted)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding (baseline)")
+    p.add_argument("--baseline", action="store_true", help="also run without the draft and compare")
+    p.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text")
+    p.add_argument("--batch-file", help="one prompt per line (.txt) or {\"prompt\": ...} per line (.jsonl)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--block-size", type=int, help="speculation block (<= the draft's trained size)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "interpret"],
+                   help="attention: kernels on GPU, references on CPU by default")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk-steps", type=int, default=4, help="decode steps between streamed updates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats-json", help="write the statistics here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_jax.tokenizer import TextStream, Tokenizer
+
+    args = _parser().parse_args(argv)
+    target_dir, draft_dir = args.target, args.draft
+    if target_dir is None:
+        if not (DEFAULT_MODEL / "target" / "config.json").is_file():
+            print("No model to run: this install has no embedded default model yet.\n"
+                  "Pass an HF Qwen3 folder (or one made by `python -m checkpoints_convert`):\n"
+                  "  python -m dflash_jax.generate --target /path/to/Qwen3-8B "
+                  "--draft /path/to/Qwen3-8B-DFlash-b16 --prompt 'Hello'", file=sys.stderr)
+            return 2
+        target_dir, draft_dir = DEFAULT_MODEL / "target", draft_dir or DEFAULT_MODEL / "draft"
+        args.baseline = args.baseline or not args.no_draft
+    if args.no_draft:
+        draft_dir = None
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+        tokenizer = Tokenizer(target_dir)
+        target = load_target(target_dir, args.dtype)
+        draft = load_draft(draft_dir, target, args.dtype) if draft_dir else None
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    texts = _read_prompts(args)
+    if args.chat:
+        texts = [tokenizer.apply_chat_template(t) for t in texts]
+    prompts = [tokenizer.encode(t) for t in texts]
+    streaming = len(prompts) == 1
+    print(f"target {target_dir}" + (f", draft {draft_dir} (block {args.block_size or draft.config.block_size})"
+                                    if draft else ", no draft") + f", jax {jax.__version__} on "
+          f"{jax.devices()[0].device_kind}", file=sys.stderr)
+
+    def run(use_draft: Draft | None, stream: bool) -> GenerationResult:
+        printer = TextStream(tokenizer)
+        if stream:
+            print(texts[0], end="", flush=True)
+        result = generate(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
+                          sampling=sampling, stop_token_ids=tokenizer.stop_token_ids,
+                          block_size=args.block_size if use_draft else None, page_size=args.page_size,
+                          seed=args.seed, impl=args.impl, chunk_steps=args.chunk_steps,
+                          on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
+                          if stream else None)
+        if stream:
+            print(printer.update(result.tokens[0]), flush=True)
+        return result
+
+    try:
+        result = run(draft, streaming)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not streaming:
+        for text, tokens in zip(texts, result.tokens):
+            print(f"=== {text!r}\n{tokenizer.decode(tokens)}\n")
+    _print_stats("dflash" if draft else "plain", result, draft is not None)
+    summary = {"dflash" if draft else "plain": result.stats.summary()}
+    if draft is not None and args.baseline:
+        base = run(None, False)
+        _print_stats("plain", base, False)
+        speedup = result.stats.tokens_per_second / base.stats.tokens_per_second
+        identical = base.tokens == result.tokens
+        print(f"[compare] speedup {speedup:.2f}x over plain decoding; outputs identical: {identical}"
+              + ("" if sampling.greedy else " (sampling: not expected)"), file=sys.stderr)
+        summary["plain"] = base.stats.summary()
+        summary["speedup"] = speedup
+    if args.stats_json:
+        Path(args.stats_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
