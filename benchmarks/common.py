@@ -1,0 +1,60 @@
+"""Shared pieces of the GPU benchmarks: Qwen3-8B-shaped configs, ceilings, timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DraftConfig, ModelConfig
+
+QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                       max_position_embeddings=40960)
+DFLASH_DRAFT_8B = DraftConfig(model=dataclasses.replace(QWEN3_8B, num_layers=5, layer_types=()),
+                              block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33),
+                              num_target_layers=36)
+
+
+def median_seconds(run, repeats: int) -> float:
+    """Median wall time of ``run()`` (which must block until its device work is done)."""
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ceilings(buffer_mib: int = 2048, repeats: int = 5) -> dict:
+    """Bandwidth of a plain XLA elementwise pass (bytes read + written) over a bf16 buffer, and
+    the bf16 matmul rate of a chain of square products, both timed over 10 dependent calls."""
+    n = buffer_mib << 19
+    step = jax.jit(lambda y: y * 0.5 + 1.0, donate_argnums=0)
+    holder = {"x": jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)}
+
+    def passes():
+        for _ in range(10):
+            holder["x"] = step(holder["x"])
+        holder["x"].block_until_ready()
+
+    bandwidth = 10 * 2 * n * 2 / median_seconds(passes, repeats)
+    del holder["x"]
+    size, chain = (8192, 10) if buffer_mib >= 1024 else (512, 10)
+    a = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(2), (size, size)) / size ** 0.5).astype(jnp.bfloat16)
+    matmuls = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda i, y: y @ b, a))
+    seconds = median_seconds(lambda: matmuls(a, b).block_until_ready(), repeats)
+    return {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": chain * 2 * size ** 3 / seconds}
+
+
+# CPU smoke-test shape: same structure, minutes -> seconds.
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
+TINY_DRAFT = DraftConfig(model=dataclasses.replace(TINY, num_layers=2, layer_types=()), block_size=16,
+                         mask_token_id=511, target_layer_ids=(1, 2), num_target_layers=4)
+SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "tiny": (TINY, TINY_DRAFT)}

@@ -1,0 +1,105 @@
+"""Where the milliseconds of a decode chunk go: per-kernel GPU time from a JAX profiler trace.
+
+Builds the benchmark's model (random weights), runs one chunk of plain decode and one of DFlash
+(acceptance replayed) under ``jax.profiler``, and summarizes the Perfetto trace: GPU busy time
+vs wall time (launch gaps) and the top kernels by total time.
+
+    PYTHONPATH=. python3 benchmarks/profile_step.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES  # noqa: E402
+
+from dflash_jax.generate import prepare  # noqa: E402
+from dflash_jax.models import Draft, Target  # noqa: E402
+from dflash_jax.params import init_draft_params, init_target_params  # noqa: E402
+
+
+def kernel_events(trace_dir: Path) -> list[dict]:
+    """Complete events on GPU stream tracks of the Perfetto trace JAX wrote."""
+    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    trace = json.loads(gzip.decompress(path.read_bytes()))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {(e.get("pid"), e.get("tid")): e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    pids = {e.get("pid"): e["args"].get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = [e for e in events if e.get("ph") == "X" and "dur" in e and (
+        "stream" in names.get((e.get("pid"), e.get("tid")), "").lower()
+        or "/device:gpu" in pids.get(e.get("pid"), "").lower())]
+    return gpu
+
+
+def summarize(events: list[dict], top: int) -> dict:
+    if not events:
+        return {"kernels": 0}
+    busy = sum(e["dur"] for e in events)
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    by_name = collections.Counter()
+    counts = collections.Counter()
+    for e in events:
+        by_name[e["name"][:90]] += e["dur"]
+        counts[e["name"][:90]] += 1
+    return {"kernels": len(events), "busy_ms": busy / 1e3, "span_ms": span / 1e3,
+            "top": [(name, round(us / 1e3, 3), counts[name]) for name, us in by_name.most_common(top)]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    out = Path(args.out)
+    target_config, draft_config = SHAPES[args.shape]
+    target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(
+        target_config, jax.random.key(0), jnp.bfloat16))
+    draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
+        draft_config, jax.random.key(1), jnp.bfloat16))
+    prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
+    report = {}
+    for name, use_draft in (("decode", None), ("dflash", draft)):
+        prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * 40, chunk_steps=args.steps,
+                       accept_replay=use_draft is not None, impl=args.impl)
+        alpha = 0.86 if use_draft else None
+        state = jax.block_until_ready(prep.chunk(prep.prefill(), alpha))
+        trace_dir = out / f"trace_{name}"
+        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+        start = time.perf_counter()
+        state = jax.block_until_ready(prep.chunk(state, alpha))
+        wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        summary = summarize(kernel_events(trace_dir), args.top)
+        summary["wall_ms_per_step"] = wall / args.steps * 1e3
+        for key in ("busy_ms", "span_ms"):
+            if key in summary:
+                summary[key.replace("_ms", "_ms_per_step")] = summary.pop(key) / args.steps
+        report[name] = summary
+        del state
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    for name, s in report.items():
+        print(f"\n== {name}: wall {s['wall_ms_per_step']:.2f} ms/step, GPU busy {s.get('busy_ms_per_step', 0):.2f}, "
+              f"span {s.get('span_ms_per_step', 0):.2f}, kernels/step {s['kernels'] / args.steps:.0f}")
+        for kname, ms, count in s.get("top", []):
+            print(f"  {ms / args.steps:7.3f} ms/step  x{count // args.steps:<4} {kname}")
+
+
+if __name__ == "__main__":
+    main()
