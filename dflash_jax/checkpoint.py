@@ -1,23 +1,31 @@
 """Reading and writing model weights: HF safetensors folders (streamed tensor by tensor) and
 this library's orbax checkpoints. Every shape is checked against the config; missing, extra or
-misshapen tensors raise CheckpointError naming the tensor."""
+misshapen tensors raise CheckpointError naming the tensor.
+
+One table per model kind (``target_slots``, ``draft_slots``) maps each HF tensor name to its
+place in the params pytree; loading and exporting both read it, so the names live in one place.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+from tqdm import tqdm
 
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
-from dflash_jax.params import DraftParams, LayerParams, TargetParams
+from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 
 PARAMS_DIR = "params"          # orbax checkpoint inside a converted folder
 MARKER_FILE = "dflash_jax.json"
+FORMAT_VERSION = 1             # of converted folders; bump when their layout changes
 
 
 class CheckpointError(ValueError):
@@ -51,6 +59,68 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one HF tensor lives in a params pytree.
+
+    ``path`` is the leaf's key path (``("layers", 3, "q_proj")``), or None for a tensor that is
+    checked and dropped (speculators' ``t2d``, derivable from ``d2t``). ``shape`` is the HF
+    ([out, in]) shape; ``transposed`` marks torch Linear weights, stored ``[in, out]`` here.
+    """
+
+    path: tuple | None
+    shape: tuple[int, ...]
+    transposed: bool = False
+
+
+def _layer_slots(config: ModelConfig, prefix: str) -> dict[str, Slot]:
+    shapes = _layer_shapes(config)
+    return {f"{prefix}{n}.{name}": Slot(("layers", n, field), shapes[name], transposed)
+            for n in range(config.num_layers) for name, (field, transposed) in _LAYER_TENSORS.items()}
+
+
+def target_slots(config: ModelConfig) -> dict[str, Slot]:
+    """HF Qwen3ForCausalLM tensor names of a target (``lm_head.weight`` only when untied)."""
+    v, h = config.vocab_size, config.hidden_size
+    slots = _layer_slots(config, "model.layers.")
+    slots["model.embed_tokens.weight"] = Slot(("embed",), (v, h))
+    slots["model.norm.weight"] = Slot(("norm",), (h,))
+    if not config.tie_word_embeddings:
+        slots["lm_head.weight"] = Slot(("lm_head",), (v, h), True)
+    return slots
+
+
+def draft_slots(config: DraftConfig) -> dict[str, Slot]:
+    """Tensor names of a DFlash draft (no ``model.`` prefix). A reduced-vocabulary speculators
+    draft adds its own LM head rows, ``d2t`` and ``t2d``."""
+    model = config.model
+    h = model.hidden_size
+    slots = _layer_slots(model, "layers.")
+    slots["fc.weight"] = Slot(("fc",), (h, len(config.target_layer_ids) * h), True)
+    slots["hidden_norm.weight"] = Slot(("hidden_norm",), (h,))
+    slots["norm.weight"] = Slot(("norm",), (h,))
+    if config.draft_vocab_size is not None:
+        slots["lm_head.weight"] = Slot(("lm_head",), (config.draft_vocab_size, h), True)
+        slots["d2t"] = Slot(("d2t",), (config.draft_vocab_size,))
+        slots["t2d"] = Slot(None, (model.vocab_size,))
+    return slots
+
+
+def _key_path(path) -> tuple:
+    return tuple(getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path)
+
+
+def _leaves_by_path(params) -> dict[tuple, Any]:
+    """Every non-None leaf of a params pytree under its key path (``("layers", 0, "q_proj")``)."""
+    return {_key_path(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _fill(structure, values: dict[tuple, Any]):
+    """``structure``'s pytree with its leaves taken from ``values`` by key path."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(structure)
+    return jax.tree_util.tree_unflatten(treedef, [values[_key_path(p)] for p, _ in paths])
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of an HF folder: model.safetensors, or the shards its index names."""
     index = directory / "model.safetensors.index.json"
@@ -58,7 +128,7 @@ def safetensors_files(directory: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
-            raise CheckpointError(f"{index} names shards that are missing: {missing}")
+            raise CheckpointError(f"{index} names shard file(s) that are missing: {missing}")
         return [directory / s for s in shards]
     single = directory / "model.safetensors"
     if single.is_file():
@@ -75,103 +145,115 @@ def iter_tensors(directory: Path) -> Iterator[tuple[str, Callable[[], np.ndarray
                 yield name, (lambda h=handle, n=name: h.get_tensor(n)), shape
 
 
-class _Collector:
-    """Streams tensors into named slots, checking names and shapes as they arrive."""
+def _count_tensors(directory: Path) -> int:
+    total = 0
+    for path in safetensors_files(directory):
+        with safe_open(str(path), framework="numpy") as handle:
+            total += len(handle.keys())
+    return total
 
-    def __init__(self, expected: dict[str, tuple[tuple[int, ...], bool]], dtype, where: str,
-                 ignored: Callable[[str], bool] = lambda name: False):
-        self.expected, self.dtype, self.where, self.ignored = expected, dtype, where, ignored
-        self.values: dict[str, jax.Array] = {}
 
-    def add(self, name: str, load: Callable[[], np.ndarray], shape: tuple[int, ...]) -> None:
-        if name not in self.expected:
-            if self.ignored(name):
-                return
-            raise CheckpointError(f"{self.where}: unexpected tensor '{name}' {list(shape)} "
+def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str], bool], *,
+          host: bool, progress: bool) -> dict[tuple, Any]:
+    """Stream every tensor of an HF folder into its slot: check name and shape before loading,
+    transpose Linear weights, cast floats to ``dtype`` (integer maps to int32), then keep it as a
+    numpy array (``host``) or a device array. Holds one source tensor at a time besides the
+    converted ones. Returns {key path: array}."""
+    where = str(directory)
+    values, seen = {}, set()
+    tensors = iter_tensors(directory)
+    if progress:
+        tensors = tqdm(tensors, total=_count_tensors(directory), desc=f"reading {directory.name}",
+                       unit="tensor", file=sys.stderr)
+    for name, load, shape in tensors:
+        slot = slots.get(name)
+        if slot is None:
+            if ignored(name):
+                continue
+            raise CheckpointError(f"{where}: unexpected tensor '{name}' {list(shape)} "
                                   "(not part of this architecture/config)")
-        want, transpose = self.expected[name]
-        if shape != want:
-            raise CheckpointError(f"{self.where}: tensor '{name}' has shape {list(shape)}, "
-                                  f"config expects {list(want)}")
+        if shape != slot.shape:
+            raise CheckpointError(f"{where}: tensor '{name}' has shape {list(shape)}, "
+                                  f"config expects {list(slot.shape)}")
+        if name in seen:
+            raise CheckpointError(f"{where}: tensor '{name}' appears in more than one shard")
+        seen.add(name)
+        if slot.path is None:
+            continue
         array = load()
-        if transpose:
-            array = array.T
-        dtype = self.dtype if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" \
-            else array.dtype
-        self.values[name] = jnp.asarray(array, dtype=dtype)
-        del array
-
-    def finish(self) -> dict[str, jax.Array]:
-        missing = sorted(set(self.expected) - set(self.values))
-        if missing:
-            shown = ", ".join(f"'{m}'" for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise CheckpointError(f"{self.where}: missing {len(missing)} tensor(s): {shown}")
-        return self.values
-
-
-def _layers_from(values: dict[str, jax.Array], prefix: str, count: int) -> tuple[LayerParams, ...]:
-    return tuple(LayerParams(**{field: values[f"{prefix}{n}.{name}"] for name, (field, _) in _LAYER_TENSORS.items()})
-                 for n in range(count))
+        if jnp.issubdtype(array.dtype, jnp.integer):
+            target = np.int32
+        elif jnp.issubdtype(array.dtype, jnp.floating):
+            target = dtype
+        else:
+            raise CheckpointError(f"{where}: tensor '{name}' has unsupported dtype {array.dtype}")
+        array = np.ascontiguousarray(array.T if slot.transposed else array, dtype=target)
+        values[slot.path] = array if host else jax.device_put(array)
+        del array  # before the next load: one source tensor at a time
+    missing = sorted(set(slots) - seen)
+    if missing:
+        shown = ", ".join(f"'{m}'" for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(f"{where}: missing {len(missing)} tensor(s): {shown}")
+    return values
 
 
-def _expected_layers(config: ModelConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], bool]]:
-    shapes = _layer_shapes(config)
-    return {f"{prefix}{n}.{name}": (shapes[name], _LAYER_TENSORS[name][1])
-            for n in range(config.num_layers) for name in _LAYER_TENSORS}
+def _rotary(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")  # derived, not a weight
 
 
-def load_hf_target(directory: str | Path, dtype=jnp.bfloat16) -> tuple[ModelConfig, TargetParams]:
-    """Load an HF Qwen3 folder (single file or sharded; any float dtype) as ``dtype`` params."""
+def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
+                   progress: bool = False) -> tuple[ModelConfig, TargetParams]:
+    """Load an HF Qwen3 folder (single file or sharded; any float dtype) as ``dtype`` params.
+
+    ``host=True`` keeps numpy leaves (for writing a checkpoint without a device copy);
+    ``progress`` shows a tqdm bar over tensors on stderr.
+    """
     directory = Path(directory)
     config = load_target_config(directory)
-    v, h = config.vocab_size, config.hidden_size
-    expected = _expected_layers(config, "model.layers.")
-    expected["model.embed_tokens.weight"] = ((v, h), False)
-    expected["model.norm.weight"] = ((h,), False)
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = ((v, h), True)
-    # A tied checkpoint may still carry a copy of lm_head; rotary caches are derived, not weights.
-    ignored = lambda name: (name == "lm_head.weight" and config.tie_word_embeddings) or name.endswith(  # noqa: E731
-        "rotary_emb.inv_freq")
-    collector = _Collector(expected, dtype, str(directory), ignored)
-    for name, load, shape in iter_tensors(directory):
-        collector.add(name, load, shape)
-    values = collector.finish()
-    params = TargetParams(embed=values["model.embed_tokens.weight"], norm=values["model.norm.weight"],
-                          lm_head=values.get("lm_head.weight"),
-                          layers=_layers_from(values, "model.layers.", config.num_layers))
-    return config, params
+    # A tied checkpoint may still carry a copy of lm_head.
+    ignored = lambda name: _rotary(name) or (name == "lm_head.weight" and config.tie_word_embeddings)  # noqa: E731
+    values = _read(directory, target_slots(config), dtype, ignored, host=host, progress=progress)
+    structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
+    return config, _fill(structure, values)
 
 
-def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16) -> tuple[DraftConfig, DraftParams]:
-    """Load a DFlash draft in z-lab or speculators format."""
+def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
+                  progress: bool = False) -> tuple[DraftConfig, DraftParams]:
+    """Load a DFlash draft in z-lab or speculators format (``host``/``progress`` as for targets)."""
     directory = Path(directory)
     config = load_draft_config(directory)
-    model = config.model
-    h = model.hidden_size
-    expected = _expected_layers(model, "layers.")
-    expected["fc.weight"] = ((h, len(config.target_layer_ids) * h), True)
-    expected["hidden_norm.weight"] = ((h,), False)
-    expected["norm.weight"] = ((h,), False)
-    ignored = lambda name: name.endswith("rotary_emb.inv_freq")  # noqa: E731
+    slots = draft_slots(config)
     if config.source_format == "speculators":
         # Speculators drafts carry copies of the target's embedding and LM head (the target's are
-        # used); a reduced vocabulary brings its own LM head rows and the d2t/t2d maps.
-        copies = {"embed_tokens.weight", "lm_head.weight"}
-        if config.draft_vocab_size is not None:
-            expected["lm_head.weight"] = ((config.draft_vocab_size, h), True)
-            expected["d2t"] = ((config.draft_vocab_size,), False)
-            expected["t2d"] = ((model.vocab_size,), False)
-        ignored = lambda name: name in copies or name.endswith("rotary_emb.inv_freq")  # noqa: E731
-    collector = _Collector(expected, dtype, str(directory), ignored)
-    for name, load, shape in iter_tensors(directory):
-        collector.add(name, load, shape)
-    values = collector.finish()
-    params = DraftParams(fc=values["fc.weight"], hidden_norm=values["hidden_norm.weight"],
-                         norm=values["norm.weight"], layers=_layers_from(values, "layers.", model.num_layers),
-                         lm_head=values.get("lm_head.weight") if config.draft_vocab_size else None,
-                         d2t=values["d2t"].astype(jnp.int32) if "d2t" in values else None)
-    return config, params
+        # used), unless a reduced vocabulary makes lm_head.weight their own (then it is a slot).
+        ignored = lambda name: _rotary(name) or name in ("embed_tokens.weight", "lm_head.weight")  # noqa: E731
+    else:
+        ignored = _rotary
+    values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
+    structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
+    return config, _fill(structure, values)
+
+
+def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:
+    """(HF name, params leaf, transposed) for every slot, after checking that ``params`` holds
+    exactly the slots' leaves with the slots' shapes (the inverse of loading)."""
+    leaves = _leaves_by_path(params)
+    extra = sorted(".".join(map(str, p)) for p in set(leaves) - {slot.path for slot in slots.values()})
+    if extra:
+        raise CheckpointError(f"params carry leaves that this config has no tensor for: {extra}")
+    out = []
+    for name, slot in slots.items():
+        if slot.path is None:
+            continue
+        leaf = leaves.get(slot.path)
+        if leaf is None:
+            raise CheckpointError(f"params lack tensor '{name}' that the config requires")
+        shape = tuple(reversed(leaf.shape)) if slot.transposed else tuple(leaf.shape)
+        if shape != slot.shape:
+            raise CheckpointError(f"tensor '{name}' has shape {list(shape)} in params, "
+                                  f"config expects {list(slot.shape)}")
+        out.append((name, leaf, slot.transposed))
+    return out
 
 
 def is_converted(directory: str | Path) -> bool:
@@ -179,21 +261,62 @@ def is_converted(directory: str | Path) -> bool:
     return (Path(directory) / MARKER_FILE).is_file()
 
 
+def write_marker(directory: Path, kind: str, dtype: str) -> None:
+    """The file that marks a converted folder: format version, kind (target/draft), dtype."""
+    (directory / MARKER_FILE).write_text(json.dumps(
+        {"format_version": FORMAT_VERSION, "kind": kind, "dtype": dtype}, indent=2) + "\n")
+
+
+def read_marker(directory: str | Path, kind: str) -> dict:
+    """The marker of a converted folder, checked to be of this version and ``kind``."""
+    marker = json.loads((Path(directory) / MARKER_FILE).read_text())
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: converted with format version {marker.get('format_version')}, "
+                              f"this library reads version {FORMAT_VERSION}; convert it again")
+    if marker.get("kind") != kind:
+        raise CheckpointError(f"{directory}: is a converted {marker.get('kind')}, not a {kind}")
+    return marker
+
+
 def save_params(directory: Path, params) -> None:
-    """Write a params pytree as an orbax checkpoint at ``directory / PARAMS_DIR``."""
+    """Write a params pytree as an orbax checkpoint at ``directory / PARAMS_DIR``.
+
+    Numpy leaves are written in place: orbax's default deep-copies host arrays, and compression
+    buffers every encoded array until the commit, each nearly doubling peak memory. Without
+    them a conversion peaks at about the params' own size.
+    """
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save((directory / PARAMS_DIR).absolute(), params)
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)), (jax.Array, handlers.ArrayHandler()))
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save((directory / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
 
 
-def restore_params(directory: Path, abstract):
-    """Read an orbax params checkpoint into the structure/shapes/dtypes of ``abstract``."""
+def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None):
+    """Read an orbax params checkpoint into the structure of ``abstract`` (ShapeDtypeStructs):
+    leaves are cast to its dtypes and placed with ``sharding`` (default: the first device).
+    Raises CheckpointError naming the leaf when the stored params do not match ``abstract``
+    (orbax itself would fill a missing leaf with None)."""
     import orbax.checkpoint as ocp
 
+    path = (Path(directory) / PARAMS_DIR).absolute()
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore((Path(directory) / PARAMS_DIR).absolute(), abstract)
-
-
-def read_marker(directory: str | Path) -> dict:
-    return json.loads((Path(directory) / MARKER_FILE).read_text())
+        stored = _leaves_by_path(checkpointer.metadata(path).item_metadata.tree)
+    wanted = _leaves_by_path(abstract)
+    for key in sorted(set(stored) | set(wanted), key=str):
+        have, want = stored.get(key), wanted.get(key)
+        if have is None or want is None or tuple(have.shape) != tuple(want.shape):
+            describe = lambda leaf: "absent" if leaf is None else list(leaf.shape)  # noqa: E731
+            raise CheckpointError(f"{directory}: params leaf '{'.'.join(map(str, key))}' is {describe(have)} "
+                                  f"in the checkpoint, config.json expects {describe(want)}")
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+    # orbax reads up to this many bytes at once into host buffers: by default 96 GB, i.e. the
+    # whole model (measured 1.5x its size at peak). The largest leaf (at 4 bytes an element, an
+    # upper bound here), at least 256 MB, keeps the extra near that size.
+    largest = max(int(np.prod(leaf.shape)) * 4 for leaf in wanted.values())
+    with ocp.StandardCheckpointer(restore_concurrent_gb=max(largest, 2**28) / 10**9) as checkpointer:
+        return checkpointer.restore(path, abstract)

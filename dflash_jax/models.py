@@ -37,9 +37,11 @@ def _dtype(dtype):
     return dtype
 
 
-def _restore_converted(directory: Path, abstract, dtype):
-    params = checkpoint.restore_params(directory, abstract)
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+def _restore_converted(path: Path, kind: str, init):
+    """Params of a converted folder, read straight into the dtypes of ``init()``'s params
+    (whatever dtype they were converted to) on the default device."""
+    checkpoint.read_marker(path, kind)
+    return checkpoint.restore_params(path, jax.eval_shape(init))
 
 
 def load_target(path: str | Path, dtype="bfloat16") -> Target:
@@ -47,9 +49,8 @@ def load_target(path: str | Path, dtype="bfloat16") -> Target:
     path, dtype = Path(path), _dtype(dtype)
     if checkpoint.is_converted(path):
         config = load_target_config(path)
-        stored = DTYPES[checkpoint.read_marker(path)["dtype"]]
-        abstract = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), stored))
-        return Target(config, _restore_converted(path, abstract, dtype), path)
+        init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
+        return Target(config, _restore_converted(path, "target", init), path)
     config, params = checkpoint.load_hf_target(path, dtype)
     return Target(config, params, path)
 
@@ -61,8 +62,7 @@ def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16")
     if target is not None:
         config.check_target(target.config)
     if checkpoint.is_converted(path):
-        stored = DTYPES[checkpoint.read_marker(path)["dtype"]]
-        abstract = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), stored))
-        return Draft(config, _restore_converted(path, abstract, dtype), path)
+        init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
+        return Draft(config, _restore_converted(path, "draft", init), path)
     _, params = checkpoint.load_hf_draft(path, dtype)
     return Draft(config, params, path)

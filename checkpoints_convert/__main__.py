@@ -1,0 +1,35 @@
+"""``python -m checkpoints_convert SRC OUT [--dtype D] [--overwrite]``: convert an HF folder
+(Qwen3 target or DFlash draft) into a folder that dflash_jax loads. Errors print one line
+and exit 1 (130 on Ctrl-C); nothing is left behind."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from checkpoints_convert.convert import convert
+from dflash_jax.models import DTYPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="HF model folder (config.json + safetensors)")
+    parser.add_argument("out", help="output folder (created atomically)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored float dtype")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as error:  # ConfigError and CheckpointError are ValueErrors
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""HF folder -> converted folder (orbax params + config.json + tokenizer files + marker).
+
+Conversion streams the source tensor by tensor into host arrays of the output dtype and writes
+them with orbax without further copies, so peak memory is about the converted params' size
+(a 16 GB bf16 Qwen3-8B converts on a 24 GB machine). Output is atomic: everything is written
+into a hidden sibling directory that is renamed to OUT only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from dflash_jax import checkpoint
+from dflash_jax.config import read_config_json
+from dflash_jax.models import DTYPES
+
+# Files copied next to the converted weights when the source has them.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
+
+
+def is_draft_config(raw: dict) -> bool:
+    """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
+    return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
+            or "DFlashDraftModel" in (raw.get("architectures") or []))
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield an empty hidden sibling directory of ``out``; when the block completes it becomes
+    ``out`` (replacing an existing one only with ``overwrite``), and on any failure, Ctrl-C
+    included, it is removed and ``out`` is left as it was."""
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
+    try:
+        yield tmp
+        if out.exists() or out.is_symlink():
+            trash = tmp.with_suffix(".old")
+            out.rename(trash)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                trash.rename(out)
+                raise
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash)
+            else:
+                trash.unlink()
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,
+            progress: bool = True) -> Path:
+    """Convert the HF folder ``src`` (Qwen3 target, or DFlash draft in z-lab or speculators
+    format, told apart by its config.json) into ``out``, which ``dflash_jax.models.load_target``
+    / ``load_draft`` then read. Floats are stored as ``dtype``. Raises ConfigError or
+    CheckpointError (naming the field or tensor) when config and weights disagree, and
+    FileExistsError when ``out`` exists and not ``overwrite``; a failed conversion leaves nothing.
+    """
+    src, out = Path(src), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a directory (expected an HF model folder)")
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+        raise ValueError(f"output {out} would replace the source folder {src}")
+    kind = "draft" if is_draft_config(read_config_json(src)) else "target"
+    load = checkpoint.load_hf_draft if kind == "draft" else checkpoint.load_hf_target
+    with atomic_output(out, overwrite) as tmp:
+        _, params = load(src, DTYPES[dtype], host=True, progress=progress)
+        checkpoint.save_params(tmp, params)
+        for name in ("config.json",) + SIDE_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        checkpoint.write_marker(tmp, kind, dtype)
+    return out

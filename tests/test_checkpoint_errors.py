@@ -1,0 +1,211 @@
+"""Every way a checkpoint can be wrong gives one clear error naming the tensor, field or file,
+and a failed conversion leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from checkpoints_convert import convert, export_draft, export_target
+from dflash_jax import checkpoint
+from dflash_jax.checkpoint import CheckpointError
+from dflash_jax.config import ConfigError
+from dflash_jax.models import load_draft, load_target
+from test_convert import make_speculators_draft, make_target, make_zlab_draft
+
+
+def _edit_tensors(directory: Path, edit) -> None:
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _edit_config(directory: Path, edit) -> None:
+    raw = json.loads((directory / "config.json").read_text())
+    edit(raw)
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def _only(directory: Path) -> list[str]:
+    """What a directory holds (to check that nothing, not even a temp dir, was left)."""
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.fixture
+def target(tmp_path) -> Path:
+    make_target(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def _convert_fails(src: Path, error, match: str):
+    out = src.parent / "out"
+    with pytest.raises(error, match=match):
+        convert(src, out, progress=False)
+    assert _only(src.parent) == [src.name]
+
+
+def test_missing_tensor(target):
+    _edit_tensors(target, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    _convert_fails(target, CheckpointError, r"missing 1 tensor\(s\): 'model.layers.1.mlp.up_proj.weight'")
+
+
+def test_extra_tensor(target):
+    _edit_tensors(target, lambda t: t.update({"model.layers.0.mlp.bias": np.zeros(4, np.float32)}))
+    _convert_fails(target, CheckpointError, r"unexpected tensor 'model.layers.0.mlp.bias' \[4\]")
+
+
+def test_wrong_shape(target):
+    _edit_tensors(target, lambda t: t.update({"model.norm.weight": np.zeros(31, np.float32)}))
+    _convert_fails(target, CheckpointError, r"'model.norm.weight' has shape \[31\], config expects \[32\]")
+
+
+def test_config_claims_more_layers_than_the_weights(target):
+    _edit_config(target, lambda raw: raw.update(num_hidden_layers=3, layer_types=["full_attention"] * 3))
+    _convert_fails(target, CheckpointError, r"missing 11 tensor\(s\): 'model.layers.2.input_layernorm.weight'")
+
+
+def test_config_hidden_size_disagrees_with_weights(target):
+    _edit_config(target, lambda raw: raw.update(hidden_size=48))
+    _convert_fails(target, CheckpointError, r"tensor '[\w.]+' has shape \[\d+(, \d+)?\], config expects")
+
+
+def test_unknown_model_type(target):
+    _edit_config(target, lambda raw: raw.update(model_type="llama"))
+    _convert_fails(target, ConfigError, "model_type 'llama' is not supported")
+
+
+def test_missing_config_field(target):
+    _edit_config(target, lambda raw: raw.pop("intermediate_size"))
+    _convert_fails(target, ConfigError, "required field 'intermediate_size' is missing")
+
+
+def test_missing_draft_field(tmp_path):
+    make_zlab_draft(tmp_path / "draft")
+    _edit_config(tmp_path / "draft", lambda raw: raw["dflash_config"].pop("mask_token_id"))
+    _convert_fails(tmp_path / "draft", ConfigError, "'dflash_config.mask_token_id' is missing")
+
+
+def test_speculators_draft_missing_d2t(tmp_path):
+    make_speculators_draft(tmp_path / "draft")
+    _edit_tensors(tmp_path / "draft", lambda t: t.pop("d2t"))
+    _convert_fails(tmp_path / "draft", CheckpointError, r"missing 1 tensor\(s\): 'd2t'")
+
+
+def test_missing_shard(tmp_path):
+    make_target(tmp_path / "hf", max_shard_size="20KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    _convert_fails(tmp_path / "hf", CheckpointError, f"missing: \\['{shard.name}'\\]")
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        convert(tmp_path / "nowhere", tmp_path / "out", progress=False)
+
+
+def test_existing_output_is_refused_before_any_work(target, monkeypatch):
+    out = target.parent / "out"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    monkeypatch.setattr(checkpoint, "load_hf_target", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(target, out, progress=False)
+    assert _only(out) == ["keep"]
+
+
+def test_output_may_not_replace_the_source(target):
+    with pytest.raises(ValueError, match="would replace the source"):
+        convert(target, target.parent, overwrite=True, progress=False)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_failure_mid_conversion_leaves_nothing(target, monkeypatch, error):
+    real_save = checkpoint.save_params
+
+    def save_then_fail(directory, params):
+        real_save(directory, params)   # half the output exists when the failure hits
+        raise error
+
+    monkeypatch.setattr(checkpoint, "save_params", save_then_fail)
+    with pytest.raises(type(error)):
+        convert(target, target.parent / "out", progress=False)
+    assert _only(target.parent) == ["hf"]
+
+
+def test_failed_overwrite_keeps_the_old_output(target, monkeypatch):
+    out = target.parent / "out"
+    convert(target, out, dtype="float32", progress=False)
+
+    def fail(directory, params):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checkpoint, "save_params", fail)
+    with pytest.raises(RuntimeError):
+        convert(target, out, overwrite=True, progress=False)
+    assert _only(target.parent) == ["hf", "out"]
+    assert json.loads((out / checkpoint.MARKER_FILE).read_text())["dtype"] == "float32"
+    monkeypatch.undo()
+    convert(target, out, overwrite=True, progress=False)
+    assert _only(target.parent) == ["hf", "out"]
+    assert json.loads((out / checkpoint.MARKER_FILE).read_text())["dtype"] == "bfloat16"
+
+
+def test_converted_folder_of_the_wrong_kind(tmp_path):
+    make_zlab_draft(tmp_path / "draft")
+    convert(tmp_path / "draft", tmp_path / "out", progress=False)
+    with pytest.raises(CheckpointError, match="is a converted draft, not a target"):
+        load_target(tmp_path / "out")
+
+
+def test_converted_config_edited_after_conversion(target):
+    out = target.parent / "out"
+    convert(target, out, progress=False)
+    _edit_config(out, lambda raw: raw.update(tie_word_embeddings=True))
+    with pytest.raises(CheckpointError, match="params leaf 'lm_head' is \\[32, 128\\] in the checkpoint, "
+                                              "config.json expects absent"):
+        load_target(out)
+    _edit_config(out, lambda raw: raw.update(tie_word_embeddings=False, intermediate_size=96))
+    with pytest.raises(CheckpointError, match="params leaf 'layers.0.down_proj' is \\[64, 32\\]"):
+        load_target(out)
+
+
+def test_converted_folder_of_a_newer_format(target):
+    out = target.parent / "out"
+    convert(target, out, progress=False)
+    (out / checkpoint.MARKER_FILE).write_text(json.dumps({"format_version": 99, "kind": "target"}))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        load_target(out)
+
+
+def test_export_checks_params_against_config(tmp_path):
+    make_target(tmp_path / "hf")
+    target = load_target(tmp_path / "hf", dtype="float32")
+    layers = list(target.params.layers)
+    layers[1] = layers[1].replace(k_proj=layers[1].k_proj[:, :8])
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.self_attn.k_proj.weight' has shape \[8, 32\]"):
+        export_target(target.config, target.params.replace(layers=tuple(layers)), tmp_path / "out")
+    with pytest.raises(CheckpointError, match="params lack tensor 'lm_head.weight'"):
+        export_target(target.config, target.params.replace(lm_head=None), tmp_path / "out")
+    assert _only(tmp_path) == ["hf"]
+
+
+def test_export_draft_refuses_what_zlab_format_cannot_hold(tmp_path):
+    make_speculators_draft(tmp_path / "spec")
+    draft = load_draft(tmp_path / "spec", dtype="float32")
+    with pytest.raises(ValueError, match="reduced draft vocabulary"):
+        export_draft(draft.config, draft.params, tmp_path / "out")
+    make_speculators_draft(tmp_path / "full", draft_vocab=None)
+    draft = load_draft(tmp_path / "full", dtype="float32")
+    with pytest.raises(ValueError, match="num_target_layers is unknown"):
+        export_draft(draft.config, draft.params, tmp_path / "out")
+    make_target(tmp_path / "hf")
+    target = load_target(tmp_path / "hf", dtype="float32")
+    export_target(target.config, target.params, tmp_path / "out")
+    with pytest.raises(FileExistsError):
+        export_target(target.config, target.params, tmp_path / "out")
+    assert _only(tmp_path) == ["full", "hf", "out", "spec"]
