@@ -20,7 +20,9 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path))
         config_path = directory / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.chat_template = self.config.get("chat_template")
+        template_file = directory / "chat_template.jinja"  # where newer transformers save it
+        self.chat_template = (template_file.read_text() if template_file.is_file()
+                              else self.config.get("chat_template"))
         self.stop_token_ids = self._stop_tokens(directory)
 
     def _token_id(self, token) -> int | None:
