@@ -1,0 +1,245 @@
+"""Training data: the offline stdlib corpus, tokenizer training, token files, anchor sampling.
+
+A *token file* (``.npz``) holds fixed-length rows: ``tokens`` [N, T] int32 and ``loss_mask``
+[N, T] bool (True where a token is supervised: the response, never padding or prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import sys
+import sysconfig
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)
+HELDOUT_PER_MILLE = 20  # files whose path hashes below this (of 1000) are held out
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus.
+
+def stdlib_root() -> Path:
+    """Source folder of the running interpreter's standard library (present on every machine)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(relative_path: str) -> bool:
+    """Deterministic evaluation split: by CRC32 of the path relative to the stdlib root."""
+    return zlib.crc32(relative_path.encode()) % 1000 < HELDOUT_PER_MILLE
+
+
+def source_files(root: str | Path) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) ``*.py`` files under ``root``, sorted; site-packages excluded."""
+    root = Path(root)
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    if not files:
+        raise FileNotFoundError(f"no *.py files under {root}")
+    heldout = [p for p in files if is_heldout(p.relative_to(root).as_posix())]
+    held = set(heldout)
+    return [p for p in files if p not in held], heldout
+
+
+def corpus_manifest(root: Path, heldout: Sequence[Path]) -> dict:
+    """What the evaluation split was: the source tree, the rule and the held-out files."""
+    manifest = {"corpus": str(root), "heldout_rule": f"crc32(relative path) % 1000 < {HELDOUT_PER_MILLE}",
+                "heldout_files": [p.relative_to(root).as_posix() for p in heldout]}
+    if Path(root) == stdlib_root():
+        manifest.update(corpus="stdlib", python=sys.version.split()[0])
+    return manifest
+
+
+def read_texts(paths: Iterable[Path]) -> list[str]:
+    """UTF-8 text of each file (undecodable bytes replaced); empty files skipped."""
+    texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in paths]
+    return [t for t in texts if t.strip()]
+
+
+def expand_paths(patterns: Sequence[str]) -> list[Path]:
+    """Files named by paths or glob patterns (recursive ``**`` allowed), sorted, de-duplicated."""
+    found = set()
+    for pattern in patterns:
+        matches = glob.glob(pattern, recursive=True) or ([pattern] if Path(pattern).exists() else [])
+        if not matches:
+            raise FileNotFoundError(f"no file matches {pattern!r}")
+        found.update(Path(m) for m in matches if Path(m).is_file())
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer.
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | Path):
+    """Byte-level BPE (``tokenizers``) with <|endoftext|> and <|mask|>; writes tokenizer.json and
+    tokenizer_config.json (eos, no BOS) so both this library and transformers can load it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    special = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                                "normalized": False, "single_word": False}
+               for t in SPECIAL_TOKENS}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+        "bos_token": None, "add_bos_token": False, "model_max_length": 1 << 20,
+        "added_tokens_decoder": special}, indent=2))
+    return tokenizer
+
+
+def load_tokenizer(directory: str | Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+
+
+def encode_documents(tokenizer, texts: Sequence[str], eos_id: int | None) -> list[np.ndarray]:
+    """Token ids of each text, <|endoftext|> appended when ``eos_id`` is given."""
+    tail = [] if eos_id is None else [eos_id]
+    return [np.asarray(enc.ids + tail, np.int32)
+            for enc in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Token rows and token files.
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Fixed-length training rows: tokens [N, T] int32, loss_mask [N, T] bool."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+    def __post_init__(self):
+        if self.tokens.ndim != 2 or self.tokens.shape != self.loss_mask.shape:
+            raise ValueError(f"tokens {self.tokens.shape} and loss_mask {self.loss_mask.shape} must be "
+                             "equal [rows, seq_len]")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a step, a pure function of (seed, step): resuming replays the same batches."""
+        rows = np.random.default_rng((seed, step)).integers(0, len(self), batch_size)
+        return self.tokens[rows], self.loss_mask[rows]
+
+
+def pack_stream(documents: Sequence[np.ndarray], seq_len: int) -> TokenRows:
+    """Concatenate documents (each ending in EOS) and cut the stream into full rows, all
+    supervised (plain LM data: the target's pretraining, or drafts trained on raw text)."""
+    stream = np.concatenate(documents) if documents else np.zeros((0,), np.int32)
+    count = len(stream) // seq_len
+    if count == 0:
+        raise ValueError(f"{len(stream)} tokens are fewer than one row of {seq_len}")
+    tokens = stream[:count * seq_len].reshape(count, seq_len).astype(np.int32)
+    return TokenRows(tokens, np.ones_like(tokens, bool))
+
+
+def prompt_response_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         seq_len: int, pad_id: int) -> TokenRows:
+    """Rows prompt + response (truncated/padded to seq_len); only response tokens supervised."""
+    tokens = np.full((len(prompts), seq_len), pad_id, np.int32)
+    mask = np.zeros((len(prompts), seq_len), bool)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        row = (list(prompt) + list(response))[:seq_len]
+        tokens[i, :len(row)] = row
+        mask[i, len(prompt):len(row)] = True
+    return TokenRows(tokens, mask)
+
+
+def save_token_file(path: str | Path, rows: TokenRows) -> None:
+    np.savez_compressed(path, tokens=rows.tokens, loss_mask=rows.loss_mask)
+
+
+def load_token_file(path: str | Path) -> TokenRows:
+    with np.load(path) as data:
+        return TokenRows(data["tokens"].astype(np.int32), data["loss_mask"].astype(bool))
+
+
+def concat_rows(parts: Sequence[TokenRows]) -> TokenRows:
+    lengths = {p.seq_len for p in parts}
+    if len(lengths) != 1:
+        raise ValueError(f"token files have different row lengths {sorted(lengths)}")
+    return TokenRows(np.concatenate([p.tokens for p in parts]), np.concatenate([p.loss_mask for p in parts]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Anchors and blocks (DFlash training, DESIGN.md section 7).
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> jax.Array:
+    """Up to ``num_anchors`` distinct random anchors per row [B, N] (-1 = unused slot).
+
+    An anchor is a position t where tokens t and t+1 are both supervised, so its block predicts
+    at least one supervised token. Valid anchors come first, in random order.
+    """
+    valid = loss_mask[:, :-1] & loss_mask[:, 1:]
+    scores = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
+    top, index = jax.lax.top_k(scores, min(num_anchors, valid.shape[1]))
+    anchors = jnp.where(top >= 0, index, -1).astype(jnp.int32)
+    if num_anchors > valid.shape[1]:
+        anchors = jnp.pad(anchors, ((0, 0), (0, num_anchors - valid.shape[1])), constant_values=-1)
+    return anchors
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Draft blocks of a batch, flattened per row: N anchors x B block positions.
+
+    tokens/positions: [R, N*B] block inputs ([token_t, mask x (B-1)]) at positions t..t+B-1;
+    labels: [R, N, B-1] tokens t+1..t+B-1; label_mask: [R, N, B-1] supervised, in-range labels
+    of used anchors.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    labels: jax.Array
+    label_mask: jax.Array
+
+
+def make_blocks(tokens: jax.Array, loss_mask: jax.Array, anchors: jax.Array, block_size: int,
+                mask_token_id: int) -> Blocks:
+    """Block inputs, positions and labels for anchors [R, N] (-1 = unused) of rows [R, T]."""
+    rows, seq_len = tokens.shape
+    num = anchors.shape[1]
+    used = anchors >= 0
+    start = jnp.where(used, anchors, 0)
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    positions = start[:, :, None] + offsets                            # [R, N, B]
+    inside = positions < seq_len
+    clipped = jnp.minimum(positions, seq_len - 1)
+    gathered = jnp.take_along_axis(tokens, clipped.reshape(rows, -1), axis=1).reshape(rows, num, block_size)
+    supervised = jnp.take_along_axis(loss_mask, clipped.reshape(rows, -1), axis=1).reshape(rows, num, block_size)
+    block = jnp.where(offsets == 0, gathered, mask_token_id)
+    return Blocks(tokens=block.reshape(rows, -1).astype(jnp.int32),
+                  positions=positions.reshape(rows, -1).astype(jnp.int32),
+                  labels=gathered[:, :, 1:].astype(jnp.int32),
+                  label_mask=(supervised & inside & used[:, :, None])[:, :, 1:])
+
+
+def position_weights(block_size: int, gamma: float) -> jax.Array:
+    """Loss weight exp(-(k-1)/gamma) of block position k = 1..B-1 [B-1]."""
+    return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay (7 for B=16, 5 for B=10, 4 for B=8); other sizes scale 7 by B/16."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)

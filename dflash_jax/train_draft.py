@@ -1,0 +1,359 @@
+"""Train a DFlash draft for a frozen target (DESIGN.md section 7) and export it in z-lab format.
+
+    python -m dflash_jax.train_draft --target DIR --out DIR [--data FILES|GLOBS|stdlib]
+        [--regenerate N] [--num-layers K] [--block-size 16] [--steps 1000] [--batch 8]
+        [--seq-len 512] [--anchors 512] [--lr 6e-4] [--resume] [--eval-prompts N]
+
+Per row: the target runs the clean sequence once (frozen, bf16) and its taps at the draft's
+``target_layer_ids`` become context K/V exactly as inference writes them (``draft.write_context``).
+Up to ``anchors`` random anchors t (t and t+1 supervised) each open a block
+``[token_t, mask x (B-1)]`` at positions t..t+B-1 labelled with tokens t+1..t+B-1. A block
+attends to itself (bidirectionally) and to context positions < t; blocks never see each other.
+Loss: cross-entropy weighted by exp(-(k-1)/gamma) at block position k, over the total weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from checkpoints_convert import export_draft
+from dflash_jax import data
+from dflash_jax import draft as draft_model
+from dflash_jax.cache import init_cache
+from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids
+from dflash_jax.models import Draft, Target, load_draft, load_target
+from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.train_target import (OptimConfig, TrainState, append_log, apply_gradients, causal_forward,
+                                     global_norm, make_optimizer, run_training)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTrainConfig:
+    """Recipe of one draft training run. ``gamma`` None: ``data.default_gamma(block_size)``."""
+
+    optim: OptimConfig = OptimConfig(steps=1000, lr=6e-4)
+    num_anchors: int = 512
+    batch_size: int = 8
+    gamma: float | None = None
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    save_every: int = 250
+    time_budget: float | None = None
+
+
+def new_draft_config(target: ModelConfig, *, num_layers: int, block_size: int, mask_token_id: int,
+                     target_layer_ids: Sequence[int] | None = None) -> DraftConfig:
+    """A fresh z-lab draft for ``target``: its layers shaped like the target's, full attention."""
+    ids = tuple(target_layer_ids) if target_layer_ids else build_target_layer_ids(target.num_layers, num_layers)
+    model = dataclasses.replace(target, num_layers=num_layers, layer_types=(), sliding_window=None,
+                                eos_token_ids=())
+    config = DraftConfig(model=model, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
+                         num_target_layers=target.num_layers, causal_layers=(False,) * num_layers)
+    config.check_target(target)
+    return config
+
+
+def find_mask_token(target_dir: str | Path, vocab_size: int) -> int:
+    """The target's mask token: <|mask|> (or <|MASK|>) from its tokenizer, else the first id the
+    embedding reserves past the tokenizer (Qwen3's 151669 is found this way)."""
+    tokenizer = data.load_tokenizer(target_dir)
+    for name in (data.MASK_TOKEN, "<|MASK|>"):
+        if tokenizer.token_to_id(name) is not None:
+            return tokenizer.token_to_id(name)
+    if tokenizer.get_vocab_size() < vocab_size:
+        return tokenizer.get_vocab_size()
+    raise ValueError(f"{target_dir}: the tokenizer has no <|mask|> token and fills the vocabulary; "
+                     "pass --mask-token-id")
+
+
+# ---------------------------------------------------------------------------------------------
+# The training forward.
+
+def training_visibility(anchors: jax.Array, seq_len: int, block_size: int) -> jax.Array:
+    """Dense mask [R, N*B, T + N*B] of what each block query sees: context keys < its anchor,
+    then every key of its own block. Defines ``anchored_attention`` (tests compare the two)."""
+    rows, num = anchors.shape
+    block_of = jnp.arange(num * block_size) // block_size
+    context = jnp.arange(seq_len)[None, None, :] < anchors[:, block_of][:, :, None]
+    own_block = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (rows, num * block_size, num * block_size))
+    return jnp.concatenate([context, own_block], axis=-1)
+
+
+def anchored_attention(q: jax.Array, k: jax.Array, v: jax.Array, context_k: jax.Array, context_v: jax.Array,
+                       anchors: jax.Array, block_size: int) -> jax.Array:
+    """Attention of flattened blocks q/k/v [R, N*B, heads, D] over the context K/V [R, T, Hkv, D]
+    before each block's anchor [R, N] plus the block's own keys, without materializing the
+    N*B x N*B mask (one softmax over both parts, f32 statistics)."""
+    rows, flat, q_heads, dim = q.shape
+    kv_heads, num = k.shape[2], flat // block_size
+    qg = q.reshape(rows, num, block_size, kv_heads, q_heads // kv_heads, dim)
+    kb = k.reshape(rows, num, block_size, kv_heads, dim)
+    vb = v.reshape(rows, num, block_size, kv_heads, dim)
+    f32 = jnp.float32
+    scale = dim ** -0.5
+    s_ctx = jnp.einsum("rnqkgd,rskd->rnkgqs", qg, context_k, preferred_element_type=f32) * scale
+    visible = jnp.arange(context_k.shape[1])[None, None, :] < anchors[:, :, None]
+    s_ctx = jnp.where(visible[:, :, None, None, None, :], s_ctx, -jnp.inf)
+    s_blk = jnp.einsum("rnqkgd,rnpkd->rnkgqp", qg, kb, preferred_element_type=f32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1).astype(v.dtype)
+    split = context_k.shape[1]
+    out = (jnp.einsum("rnkgqs,rskd->rnqkgd", probs[..., :split], context_v, preferred_element_type=f32)
+           + jnp.einsum("rnkgqp,rnpkd->rnqkgd", probs[..., split:], vb, preferred_element_type=f32))
+    return out.reshape(rows, flat, q_heads, dim).astype(q.dtype)
+
+
+def draft_block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams, taps: jax.Array,
+                       blocks: data.Blocks, anchors: jax.Array) -> jax.Array:
+    """Draft hidden states [R, N*B, H] of every block, over context taps [R, T, n*H]."""
+    if any(config.causal_layers) or any(config.model.window(i) for i in range(config.model.num_layers)):
+        raise ValueError("training supports full-attention, non-causal draft layers only")
+    rows, seq_len = taps.shape[:2]
+    # One page per row: after write_context each layer's pages are the dense context K/V.
+    cache = init_cache([(config.model, 0), (config.model, config.model.num_layers)],
+                       np.arange(rows, dtype=np.int32)[:, None], rows, seq_len, taps.dtype)
+    positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len))
+    cache = draft_model.write_context(params, config, taps, positions, cache, impl="reference")
+
+    def attend(index, q, k, v):
+        return anchored_attention(q, k, v, *cache.layer(index), anchors, config.block_size)
+
+    x = draft_model.embed_block(config, target, blocks.tokens)
+    return draft_model.layer_stack(params, config, x, blocks.positions, attend, impl="reference")
+
+
+def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, loss_mask: jax.Array,
+               anchors: jax.Array, *, config: DraftConfig, target_config: ModelConfig, gamma: float,
+               dtype) -> tuple[jax.Array, dict]:
+    """Decay-weighted block cross-entropy, per-position accuracy and the greedy acceptance proxy
+    (1 + leading correct block positions, averaged over used anchors: τ under teacher forcing)."""
+    params, target = cast_params(params, dtype), cast_params(target, dtype)
+    _, taps = causal_forward(target, target_config, tokens, config.target_layer_ids)
+    taps = jax.lax.stop_gradient(taps)
+    blocks = data.make_blocks(tokens, loss_mask, anchors, config.block_size, config.mask_token_id)
+    hidden = draft_block_hidden(params, config, target, taps, blocks, anchors)
+    rows, num = anchors.shape
+    hidden = hidden.reshape(rows, num, config.block_size, -1)[:, :, 1:]
+    logits = draft_model.draft_logits(params, config, target, hidden)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, blocks.labels)
+    valid = blocks.label_mask.astype(jnp.float32)
+    weights = data.position_weights(config.block_size, gamma) * valid
+    loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.label_mask
+    used = (anchors >= 0).astype(jnp.float32)
+    accepted = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)
+    metrics = {"loss": loss,
+               "position_accuracy": jnp.sum(correct, axis=(0, 1)) / jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0),
+               "tau_proxy": 1.0 + jnp.sum(accepted * used) / jnp.maximum(jnp.sum(used), 1.0),
+               "anchors": jnp.sum(used) / rows}
+    return loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("config", "target_config", "train"))
+def train_step(state: TrainState, learning_rate: jax.Array, target: TargetParams, tokens: jax.Array,
+               loss_mask: jax.Array, *,
+               config: DraftConfig, target_config: ModelConfig, train: DraftTrainConfig) -> tuple[TrainState, dict]:
+    """One pure AdamW step: anchors drawn from a key folded with the step, so a resumed run
+    draws the same anchors as an uninterrupted one."""
+    key = jax.random.fold_in(jax.random.key(train.seed), state.step)
+    anchors = data.sample_anchors(key, loss_mask, train.num_anchors)
+    grads, metrics = jax.grad(draft_loss, has_aux=True)(
+        state.params, target, tokens, loss_mask, anchors, config=config, target_config=target_config,
+        gamma=train.gamma or data.default_gamma(config.block_size), dtype=jnp.dtype(train.compute_dtype))
+    metrics["grad_norm"] = global_norm(grads)
+    return apply_gradients(state, grads, make_optimizer(train.optim), learning_rate), metrics
+
+
+def _postfix(metrics: dict) -> dict:
+    acc = metrics["position_accuracy"]
+    return {"loss": f"{metrics['loss']:.3f}", "tau~": f"{metrics['tau_proxy']:.2f}",
+            "acc@1,2,4,8": ",".join(f"{acc[i]:.2f}" for i in (0, 1, 3, 7) if i < len(acc))}
+
+
+def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft_config: DraftConfig,
+                train: DraftTrainConfig, *, ckpt_dir: str | Path | None = None, resume: bool = False,
+                export_dtype="bfloat16") -> Draft:
+    """Train a draft on token rows with ``target`` frozen, export it (z-lab HF format) to
+    ``out_dir`` and return it as loaded (f32 training params)."""
+    out_dir = Path(out_dir)
+    ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
+    draft_config.check_target(target.config)
+    params = init_draft_params(draft_config, jax.random.key(train.seed + 1), jnp.float32)
+    state = TrainState.create(params, make_optimizer(train.optim))
+    target_params = cast_params(target.params, jnp.dtype(train.compute_dtype))
+    step_fn = functools.partial(train_step, config=draft_config, target_config=target.config, train=train)
+    state, history = run_training(
+        state, lambda s, lr, t, m: step_fn(s, lr, target_params, t, m),
+        lambda step: rows.batch(step, train.batch_size, train.seed), optim=train.optim, ckpt_dir=ckpt_dir,
+        save_every=train.save_every, resume=resume, time_budget=train.time_budget, desc="draft", postfix=_postfix)
+    append_log(ckpt_dir / "train_log.json", history)
+    export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True)
+    return Draft(draft_config, state.params, out_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: text or token files, responses regenerated by the target, held-out prompts.
+
+def load_rows_or_documents(specs: Sequence[str], tokenizer, eos_id: int | None
+                           ) -> tuple[list[data.TokenRows], list[np.ndarray]]:
+    """Token files (.npz) as rows; text files (paths or globs) as tokenized documents; a folder
+    (or ``stdlib``) as the training split of its ``*.py`` files."""
+    token_rows, paths = [], []
+    for spec in specs:
+        if spec == "stdlib" or Path(spec).is_dir():
+            paths += data.source_files(data.stdlib_root() if spec == "stdlib" else spec)[0]
+        elif spec.endswith(".npz"):
+            token_rows += [data.load_token_file(p) for p in data.expand_paths([spec])]
+        else:
+            paths += data.expand_paths([spec])
+    return token_rows, data.encode_documents(tokenizer, data.read_texts(paths), eos_id) if paths else []
+
+
+def sample_prompts(documents: Sequence[np.ndarray], count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens cut at random offsets of random documents."""
+    rng = np.random.default_rng(seed)
+    long_enough = [d for d in documents if len(d) > length]
+    if not long_enough:
+        raise ValueError(f"no document is longer than the prompt length {length}")
+    prompts = []
+    for _ in range(count):
+        doc = long_enough[rng.integers(len(long_enough))]
+        start = rng.integers(len(doc) - length)
+        prompts.append(doc[start:start + length].tolist())
+    return prompts
+
+
+def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int, temperature: float,
+               batch_size: int, pad_id: int, seed: int = 0) -> data.TokenRows:
+    """Responses written by the target itself (batched on-device generation) filling rows of
+    ``seq_len``; only response tokens are supervised. Every batch has the same shape."""
+    from dflash_jax.generate import generate
+
+    sampling = SamplingConfig(temperature=temperature)
+    responses = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = list(prompts[i:i + batch_size])
+        real = len(chunk)
+        chunk += [chunk[0]] * (batch_size - real)
+        new = [seq_len - len(p) for p in chunk]
+        result = generate(target, chunk, max_new_tokens=new, sampling=sampling,
+                          stop_token_ids=list(target.config.eos_token_ids) or None, seed=seed + i)
+        responses += result.tokens[:real]
+    return data.prompt_response_rows(prompts, responses, seq_len, pad_id)
+
+
+def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 temperature: float, seed: int = 0) -> dict:
+    """τ (mean tokens per step) of DFlash generation on ``prompts``, and the speedup over plain
+    decoding (tok/s, same batch)."""
+    from dflash_jax.generate import generate
+
+    sampling = SamplingConfig(temperature=temperature)
+    stop = list(target.config.eos_token_ids) or None
+    spec = generate(target, prompts, draft=draft, max_new_tokens=max_new_tokens, sampling=sampling,
+                    stop_token_ids=stop, seed=seed).stats
+    plain = generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop,
+                     seed=seed).stats
+    return {"temperature": temperature, "tau": spec.tau, "position_acceptance": spec.position_acceptance(),
+            "histogram": spec.histogram(), "tokens_per_second": spec.tokens_per_second,
+            "plain_tokens_per_second": plain.tokens_per_second,
+            "speedup": spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="target HF folder (with tokenizer.json)")
+    parser.add_argument("--out", required=True, help="output draft folder (z-lab HF format)")
+    parser.add_argument("--data", nargs="+", default=["stdlib"],
+                        help="token files (.npz), text files or globs, folders of *.py (their training "
+                             "split), or 'stdlib' (default)")
+    parser.add_argument("--regenerate", type=int, default=0, metavar="N",
+                        help="train on N responses generated by the target from prompts cut from --data")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens for --regenerate/--eval-prompts")
+    parser.add_argument("--regen-temperature", type=float, default=0.0)
+    parser.add_argument("--regen-batch", type=int, default=256)
+    parser.add_argument("--save-data", default=None, help="write the training rows to this .npz token file")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--target-layer-ids", default=None, help="comma-separated z-lab ids (default: build rule)")
+    parser.add_argument("--mask-token-id", type=int, default=None, help="default: the target's <|mask|>")
+    defaults = DraftTrainConfig()
+    parser.add_argument("--steps", type=int, default=defaults.optim.steps)
+    parser.add_argument("--batch", type=int, default=defaults.batch_size)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--anchors", type=int, default=defaults.num_anchors)
+    parser.add_argument("--lr", type=float, default=defaults.optim.lr)
+    parser.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16)")
+    parser.add_argument("--save-every", type=int, default=defaults.save_every)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="fit training (compile included) in this time: fewer steps, same schedule shape")
+    parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
+    parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (default OUT.ckpt)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--eval-prompts", type=int, default=0, metavar="N",
+                        help="after training, measure τ on N prompts from the held-out stdlib files")
+    parser.add_argument("--eval-new-tokens", type=int, default=256)
+    parser.add_argument("--eval-corpus", default="stdlib", help="'stdlib' or a folder: prompts from its held-out split")
+    parser.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in --out")
+    args = parser.parse_args(argv)
+
+    target = load_target(args.target, dtype=args.dtype)
+    tokenizer = data.load_tokenizer(args.target)
+    eos_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
+    if args.eval_only:
+        draft = load_draft(args.out, target, dtype=args.dtype)
+    else:
+        rows = _training_rows(args, target, tokenizer, eos_id)
+        mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token(
+            args.target, target.config.vocab_size)
+        ids = [int(i) for i in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+        draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
+                                        mask_token_id=mask_id, target_layer_ids=ids)
+        train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
+                                 batch_size=args.batch, gamma=args.gamma, seed=args.seed,
+                                 compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
+        draft = train_draft(target, rows, args.out, draft_config, train, ckpt_dir=args.ckpt_dir, resume=args.resume)
+        draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
+        print(f"train_draft: exported {args.out}")
+    if args.eval_prompts:
+        root = data.stdlib_root() if args.eval_corpus == "stdlib" else args.eval_corpus
+        heldout = data.encode_documents(tokenizer, data.read_texts(data.source_files(root)[1]), eos_id)
+        prompts = sample_prompts(heldout, args.eval_prompts, args.prompt_len, seed=12345)
+        results = [evaluate_tau(target, draft, prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
+                   for t in (0.0, 0.7)]
+        for r in results:
+            print(f"eval T={r['temperature']}: tau {r['tau']:.3f}, speedup {r['speedup']:.2f}x "
+                  f"({r['tokens_per_second']:.0f} vs {r['plain_tokens_per_second']:.0f} tok/s)")
+        (Path(args.out).with_name(Path(args.out).name + ".eval.json")).write_text(json.dumps(results, indent=1))
+
+
+def _training_rows(args, target: Target, tokenizer, eos_id: int | None) -> data.TokenRows:
+    """The CLI's training rows: token files as they are, text packed, or target-written responses."""
+    pad_id = eos_id if eos_id is not None else 0
+    token_rows, documents = load_rows_or_documents(args.data, tokenizer, eos_id)
+    if args.regenerate:
+        prompts = sample_prompts(documents, args.regenerate, args.prompt_len, args.seed)
+        token_rows.append(regenerate(target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature,
+                                     batch_size=args.regen_batch, pad_id=pad_id, seed=args.seed))
+    elif documents:
+        token_rows.append(data.pack_stream(documents, args.seq_len))
+    rows = data.concat_rows(token_rows)
+    if args.save_data:
+        data.save_token_file(args.save_data, rows)
+    print(f"train_draft: {len(rows)} rows of {rows.seq_len} tokens, {int(rows.loss_mask.sum()):,} supervised")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

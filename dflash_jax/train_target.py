@@ -1,0 +1,346 @@
+"""Train a tiny Qwen3-architecture target from scratch on an offline corpus (the stdlib source),
+plus the training machinery the draft trainer shares (optimizer, train state, orbax loop).
+
+    python -m dflash_jax.train_target --out DIR [--corpus stdlib] [--steps 2000] [--batch 64]
+
+Writes an HF Qwen3 folder (config.json, safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json) that this library and transformers both load, plus corpus.json (the
+held-out files) and train_log.json. Orbax checkpoints go to ``--ckpt-dir`` (default DIR.ckpt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from tqdm import tqdm
+
+from checkpoints_convert import export_target
+from dflash_jax import data
+from dflash_jax import target as target_model
+from dflash_jax.cache import init_cache
+from dflash_jax.config import ModelConfig
+from dflash_jax.params import TargetParams, cast_params, init_target_params
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared training machinery.
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping, weight decay on matrices only, and a learning rate that
+    warms up linearly over ``warmup_frac`` of the steps then decays to 0 on a cosine."""
+
+    steps: int
+    lr: float
+    warmup_frac: float = 0.04
+    clip: float = 1.0
+    weight_decay: float = 0.01
+    b2: float = 0.95
+
+    def learning_rate(self, step: int, total_steps: int) -> float:
+        """Rate of step ``step`` (0-based) in a run of ``total_steps``."""
+        warmup = max(1, round(self.warmup_frac * total_steps))
+        if step < warmup:
+            return self.lr * (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    """The update direction at unit rate; ``apply_gradients`` scales it by the step's rate, which
+    comes from the host so a time budget can shorten the schedule without recompiling."""
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(config.clip),
+                       optax.adamw(1.0, b2=config.b2, weight_decay=config.weight_decay, mask=decay_mask))
+
+
+@struct.dataclass
+class TrainState:
+    """f32 master params, optimizer state and the step count (all checkpointed)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+    @classmethod
+    def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def global_norm(tree) -> jax.Array:
+    """L2 norm over every leaf (logged before clipping)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def apply_gradients(state: TrainState, grads, optimizer: optax.GradientTransformation,
+                    learning_rate: jax.Array) -> TrainState:
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: u * learning_rate.astype(u.dtype), updates)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state)
+
+
+def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], tuple], *, optim: OptimConfig,
+                 ckpt_dir: str | Path, save_every: int, resume: bool, desc: str,
+                 postfix: Callable[[dict], dict], time_budget: float | None = None,
+                 evaluate: Callable[[Any], dict] | None = None, eval_every: int = 0
+                 ) -> tuple[TrainState, list[dict]]:
+    """Run ``state, metrics = step_fn(state, learning_rate, *batch_fn(step))`` for ``optim.steps``
+    steps with a tqdm bar, orbax checkpoints every ``save_every`` steps and at the end, resuming
+    from the latest one.
+
+    With ``time_budget`` (seconds, compile included) the pace of steps 3-12 decides the number
+    of steps that fit, and the schedule is laid out over that many (recorded for resuming).
+    ``evaluate(params)`` (held-out metrics) runs every ``eval_every`` steps and at the end.
+    Batches and keys must be pure functions of the step so a resumed run repeats exactly what an
+    uninterrupted one does. Returns the final state and one metrics dict per step run here.
+    """
+    import orbax.checkpoint as ocp
+
+    began = time.perf_counter()
+    ckpt_dir = Path(ckpt_dir).absolute()
+    schedule_file = ckpt_dir / "schedule.json"
+    total = optim.steps
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    history = []
+    with ocp.CheckpointManager(ckpt_dir / "state", options=options) as manager:
+        if resume and manager.latest_step() is not None:
+            state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+            if schedule_file.is_file():
+                total = json.loads(schedule_file.read_text())["total_steps"]
+        first = step = int(state.step)
+        pace_from = None if time_budget is None or step > 0 else first + 2
+        with tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar:
+            while step < total:
+                state, metrics = step_fn(state, jnp.float32(optim.learning_rate(step, total)), *batch_fn(step))
+                metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+                step += 1
+                history.append({"step": step, **metrics})
+                bar.set_postfix(postfix(metrics), refresh=False)
+                bar.update(1)
+                if pace_from is not None and step == pace_from:
+                    paced = time.perf_counter()
+                elif pace_from is not None and step == pace_from + 10:
+                    per_step = (time.perf_counter() - paced) / 10
+                    left = time_budget - (time.perf_counter() - began)
+                    total = min(total, step + max(0, int(left / per_step)))
+                    schedule_file.write_text(json.dumps({"total_steps": total, "seconds_per_step": per_step}))
+                    bar.total, pace_from = total, None
+                    print(f"{desc}: {per_step * 1e3:.1f} ms/step, {total} steps fit the time budget")
+                if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
+                    history[-1].update(evaluate(state.params))
+                    bar.write(f"{desc} step {step}: " + ", ".join(
+                        f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
+                if step % save_every == 0 or step == total:
+                    manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    return state, history
+
+
+def append_log(path: Path, history: list[dict]) -> None:
+    """Keep one training log across resumed runs: steps run again replace older entries."""
+    old = json.loads(path.read_text()) if path.is_file() else []
+    steps = {h["step"] for h in history}
+    path.write_text(json.dumps([h for h in old if h["step"] not in steps] + history))
+
+
+# ---------------------------------------------------------------------------------------------
+# Target model.
+
+@dataclasses.dataclass(frozen=True)
+class TinyTargetShape:
+    """Architecture of the tiny target (Qwen3, tied embeddings). Defaults: 12.9M params,
+    25.8 MB in bf16, leaving room for a 3-layer draft (10.6 MB) under 40 MB."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        group = self.num_heads // max(self.num_kv_heads, 1)
+        if self.num_heads % self.num_kv_heads or group & (group - 1):
+            raise ValueError(f"num_heads {self.num_heads} must be a power-of-two multiple of num_kv_heads "
+                             f"{self.num_kv_heads} (the attention kernels' GQA layout)")
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"head_dim {self.head_dim} must be a power of two >= 16 (the attention kernels)")
+
+    def model_config(self, eos_id: int) -> ModelConfig:
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rope_theta=self.rope_theta, tie_word_embeddings=True,
+                           max_position_embeddings=self.max_position_embeddings, eos_token_ids=(eos_id,))
+
+
+def causal_forward(params: TargetParams, config: ModelConfig, tokens: jax.Array,
+                   tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
+    """Plain causal forward of full rows [R, T] from position 0 (training, feature extraction):
+    ``target.forward`` over a throwaway cache of one page per row, reference attention (which is
+    differentiable). Returns final-normed hidden [R, T, H] and the concatenated taps."""
+    rows, length = tokens.shape
+    cache = init_cache([(config, config.num_layers)], np.arange(rows, dtype=np.int32)[:, None], rows, length,
+                       params.embed.dtype)
+    hidden, taps, _ = target_model.forward(params, config, tokens, jnp.zeros((rows,), jnp.int32), cache,
+                                           tap_layers=tap_layers, impl="reference")
+    return hidden, taps
+
+
+def lm_loss(params: TargetParams, config: ModelConfig, tokens: jax.Array, loss_mask: jax.Array,
+            dtype) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy over supervised targets, computed in ``dtype`` (f32 logits)."""
+    hidden, _ = causal_forward(cast_params(params, dtype), config, tokens)
+    logits = target_model.logits(cast_params(params, dtype), hidden[:, :-1])
+    labels, mask = tokens[:, 1:], loss_mask[:, 1:].astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    loss = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    accuracy = jnp.sum((jnp.argmax(logits, -1) == labels) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return loss, {"loss": loss, "accuracy": accuracy}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetTrainConfig:
+    shape: TinyTargetShape = TinyTargetShape()
+    optim: OptimConfig = OptimConfig(steps=1200, lr=2e-3, weight_decay=0.1)
+    seq_len: int = 512
+    batch_size: int = 64
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    save_every: int = 500
+    time_budget: float | None = None
+
+
+@functools.partial(jax.jit, static_argnames=("config", "train"))
+def train_step(state: TrainState, learning_rate: jax.Array, tokens: jax.Array, loss_mask: jax.Array, *,
+               config: ModelConfig, train: TargetTrainConfig) -> tuple[TrainState, dict]:
+    """One pure AdamW step on a batch of rows (jitted once per (config, train))."""
+    grads, metrics = jax.grad(lm_loss, has_aux=True)(state.params, config, tokens, loss_mask,
+                                                     jnp.dtype(train.compute_dtype))
+    metrics["grad_norm"] = global_norm(grads)
+    return apply_gradients(state, grads, make_optimizer(train.optim), learning_rate), metrics
+
+
+def make_evaluator(config: ModelConfig, rows: data.TokenRows, batch_size: int, dtype) -> Callable[[Any], dict]:
+    """params -> {"heldout_loss", "heldout_accuracy"} over whole batches of ``rows``."""
+    step = jax.jit(lambda p, t, m: lm_loss(p, config, t, m, jnp.dtype(dtype))[1])
+    count = max(batch_size, len(rows) // batch_size * batch_size)
+
+    def evaluate(params) -> dict:
+        results = [step(params, rows.tokens[i:i + batch_size], rows.loss_mask[i:i + batch_size])
+                   for i in range(0, min(count, len(rows)), batch_size)]
+        return {f"heldout_{k}": float(np.mean([r[k] for r in results])) for k in ("loss", "accuracy")}
+
+    return evaluate
+
+
+def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str | Path = "stdlib",
+                 max_files: int | None = None, ckpt_dir: str | Path | None = None, resume: bool = False,
+                 eval_every: int = 250, max_eval_rows: int = 128):
+    """Train the tokenizer and the target on the training split of ``corpus`` (``"stdlib"``: the
+    running interpreter's; or a folder of ``*.py``), tracking the loss on its held-out split;
+    export the HF folder to ``out_dir`` and return (config, f32 params)."""
+    out_dir = Path(out_dir)
+    ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
+    root = data.stdlib_root() if corpus == "stdlib" else Path(corpus)
+    files, heldout = data.source_files(root)
+    files = files[:max_files] if max_files else files
+    staging = ckpt_dir / "tokenizer"
+    texts = data.read_texts(files)
+    if resume and (staging / "tokenizer.json").is_file():
+        tokenizer = data.load_tokenizer(staging)
+    else:
+        tokenizer = data.train_tokenizer(texts, train.shape.vocab_size, staging)
+    eos_id = tokenizer.token_to_id(data.EOS_TOKEN)
+    config = dataclasses.replace(train.shape, vocab_size=tokenizer.get_vocab_size()).model_config(eos_id)
+    rows = data.pack_stream(data.encode_documents(tokenizer, texts, eos_id), train.seq_len)
+    eval_rows = data.pack_stream(data.encode_documents(tokenizer, data.read_texts(heldout), eos_id), train.seq_len)
+    eval_rows = data.TokenRows(eval_rows.tokens[:max_eval_rows], eval_rows.loss_mask[:max_eval_rows])
+    print(f"train_target: {len(files)} files, {rows.tokens.size:,} tokens ({len(heldout)} held-out files), "
+          f"vocab {config.vocab_size}")
+
+    params = init_target_params(config, jax.random.key(train.seed), jnp.float32)
+    state = TrainState.create(params, make_optimizer(train.optim))
+    state, history = run_training(
+        state, functools.partial(train_step, config=config, train=train),
+        lambda step: rows.batch(step, train.batch_size, train.seed),
+        optim=train.optim, ckpt_dir=ckpt_dir, save_every=train.save_every, resume=resume,
+        time_budget=train.time_budget, desc="target",
+        postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['accuracy']:.3f}"},
+        evaluate=make_evaluator(config, eval_rows, train.batch_size, train.compute_dtype), eval_every=eval_every)
+    append_log(ckpt_dir / "train_log.json", history)
+
+    export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out_dir / name).write_bytes((staging / name).read_bytes())
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "do_sample": False}))
+    (out_dir / "corpus.json").write_text(json.dumps({**data.corpus_manifest(root, heldout),
+                                                     "train_files": len(files)}, indent=1))
+    last = history[-1] if history else {}
+    summary = {"params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+               "train_tokens": int(rows.tokens.size), "steps": int(state.step),
+               "loss": last.get("loss"), "heldout_loss": last.get("heldout_loss"),
+               "heldout_tokens": int(eval_rows.tokens.size), "config": dataclasses.asdict(train)}
+    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    return config, state.params
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output HF model folder")
+    parser.add_argument("--corpus", default="stdlib",
+                        help="'stdlib' (the running interpreter's *.py) or a folder of *.py files")
+    parser.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
+    parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints and tokenizer staging (DIR.ckpt)")
+    parser.add_argument("--resume", action="store_true")
+    defaults, shape = TargetTrainConfig(), TinyTargetShape()
+    parser.add_argument("--vocab-size", type=int, default=shape.vocab_size)
+    parser.add_argument("--hidden", type=int, default=shape.hidden_size)
+    parser.add_argument("--layers", type=int, default=shape.num_layers)
+    parser.add_argument("--heads", type=int, default=shape.num_heads)
+    parser.add_argument("--kv-heads", type=int, default=shape.num_kv_heads)
+    parser.add_argument("--head-dim", type=int, default=shape.head_dim)
+    parser.add_argument("--intermediate", type=int, default=shape.intermediate_size)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--batch", type=int, default=defaults.batch_size)
+    parser.add_argument("--steps", type=int, default=defaults.optim.steps)
+    parser.add_argument("--lr", type=float, default=defaults.optim.lr)
+    parser.add_argument("--weight-decay", type=float, default=defaults.optim.weight_decay)
+    parser.add_argument("--save-every", type=int, default=defaults.save_every)
+    parser.add_argument("--eval-every", type=int, default=250, help="held-out loss every N steps")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="fit the run (compile included) in this time: fewer steps, same schedule shape")
+    parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"],
+                        help="compute dtype (master weights stay float32)")
+    args = parser.parse_args(argv)
+    train = TargetTrainConfig(
+        shape=TinyTargetShape(vocab_size=args.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
+                              num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                              intermediate_size=args.intermediate),
+        optim=OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay),
+        seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, compute_dtype=args.dtype,
+        save_every=args.save_every, time_budget=args.time_budget)
+    train_target(args.out, train, corpus=args.corpus, max_files=args.max_files, ckpt_dir=args.ckpt_dir,
+                 resume=args.resume, eval_every=args.eval_every)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Training: anchors, blocks and the attention mask on a hand-computed case; a tiny target and
+draft trained through the CLIs; resume; export round trip; parity with the z-lab reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dflash_jax import data, train_draft, train_target
+from dflash_jax.models import load_draft, load_target
+from pallas_kernels.verify_attention import masked_gqa_attention
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TEXT_GLOB = str(STDLIB / "json" / "*.py")
+DRAFT_STEPS = 12
+
+
+# ---------------------------------------------------------------------------------------------
+# Anchors, blocks, mask: seq len 8, block 4, 2 anchors, by hand.
+
+def test_sample_anchors_only_where_two_tokens_are_supervised():
+    mask = jnp.array([[0, 1, 1, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]], bool)
+    few = np.asarray(data.sample_anchors(jax.random.key(0), mask, 3))
+    assert len(set(few[0])) == 3 and set(few[0]) <= {1, 2, 5, 6}
+    assert few[1].tolist() == [6, -1, -1]
+    many = np.asarray(data.sample_anchors(jax.random.key(1), mask, 10))
+    assert sorted(many[0][:4]) == [1, 2, 5, 6] and (many[0][4:] == -1).all()
+    again = np.asarray(data.sample_anchors(jax.random.key(0), mask, 3))
+    assert (again == few).all()
+
+
+def test_blocks_labels_weights_and_visibility_by_hand():
+    tokens = jnp.arange(10, 18, dtype=jnp.int32)[None]          # 10..17 at positions 0..7
+    mask = jnp.array([[0, 0, 1, 1, 1, 1, 1, 0]], bool)          # position 7 not supervised
+    anchors = jnp.array([[2, 5]], jnp.int32)
+    blocks = data.make_blocks(tokens, mask, anchors, block_size=4, mask_token_id=99)
+    assert blocks.tokens.tolist() == [[12, 99, 99, 99, 15, 99, 99, 99]]
+    assert blocks.positions.tolist() == [[2, 3, 4, 5, 5, 6, 7, 8]]
+    assert blocks.labels[0, 0].tolist() == [13, 14, 15]
+    assert blocks.labels[0, 1, :2].tolist() == [16, 17]          # the third lies past the row
+    assert blocks.label_mask.tolist() == [[[True, True, True], [True, False, False]]]
+
+    gamma = data.default_gamma(4)
+    assert gamma == pytest.approx(1.75)
+    np.testing.assert_allclose(data.position_weights(4, gamma), np.exp(-np.arange(3) / 1.75), rtol=1e-6)
+    assert data.default_gamma(16) == 7.0
+
+    # rows: block queries; columns: context positions 0..7, then the 8 block keys.
+    expected = ["11000000" "11110000"] * 4 + ["11111000" "00001111"] * 4
+    visible = train_draft.training_visibility(anchors, 8, 4)[0]
+    assert ["".join("1" if v else "0" for v in row) for row in np.asarray(visible)] == expected
+
+    unused = data.make_blocks(tokens, mask, jnp.array([[2, -1]], jnp.int32), 4, 99)
+    assert not np.asarray(unused.label_mask[0, 1]).any()
+    row = np.asarray(train_draft.training_visibility(jnp.array([[2, -1]]), 8, 4)[0, 4])
+    assert "".join("1" if v else "0" for v in row) == "00000000" "00001111"
+
+
+def test_token_files_and_prompt_response_rows(tmp_path):
+    rows = data.prompt_response_rows([[1, 2], [3]], [[4, 5, 6], [7, 8, 9, 10, 11]], seq_len=5, pad_id=0)
+    assert rows.tokens.tolist() == [[1, 2, 4, 5, 6], [3, 7, 8, 9, 10]]
+    assert rows.loss_mask.astype(int).tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
+    data.save_token_file(tmp_path / "rows.npz", rows)
+    loaded, documents = train_draft.load_rows_or_documents([str(tmp_path / "*.npz")], None, None)
+    assert documents == [] and (loaded[0].tokens == rows.tokens).all() and (loaded[0].loss_mask == rows.loss_mask).all()
+    assert data.concat_rows([rows, rows]).tokens.shape == (4, 5)
+    first = rows.batch(3, 4, seed=0)[0]
+    assert (first == rows.batch(3, 4, seed=0)[0]).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_anchored_attention_matches_dense_masked_attention(dtype, tol):
+    rows, num, block, seq, heads, kv_heads, dim = 2, 3, 4, 10, 4, 2, 16
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v = (jax.random.normal(key, (rows, num * block, shape, dim), dtype)
+               for key, shape in zip(keys[:3], (heads, kv_heads, kv_heads)))
+    ctx_k, ctx_v = (jax.random.normal(key, (rows, seq, kv_heads, dim), dtype) for key in keys[3:])
+    anchors = jnp.array([[0, 7, -1], [9, 3, 4]], jnp.int32)
+    out = jax.jit(train_draft.anchored_attention, static_argnums=6)(q, k, v, ctx_k, ctx_v, anchors, block)
+    dense = jax.jit(lambda q, k, v, visible: masked_gqa_attention(*(x.astype(jnp.float32) for x in (q, k, v)), visible))
+    ref = dense(q, jnp.concatenate([ctx_k, k], 1), jnp.concatenate([ctx_v, v], 1),
+                train_draft.training_visibility(anchors, seq, block))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny target and draft, trained through the CLIs.
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    train_target.main(["--out", str(root / "target"), "--max-files", "12", "--vocab-size", "384",
+                       "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                       "--intermediate", "128", "--seq-len", "64", "--batch", "8", "--steps", "40", "--lr", "3e-3",
+                       "--dtype", "float32"])
+    draft_args = ["--target", str(root / "target"), "--out", str(root / "draft"), "--data", TEXT_GLOB,
+                  "--num-layers", "2", "--block-size", "4", "--seq-len", "64", "--anchors", "8", "--batch", "4",
+                  "--steps", str(DRAFT_STEPS), "--lr", "3e-3", "--save-every", "6", "--dtype", "float32"]
+    train_draft.main(draft_args)
+    return root, draft_args
+
+
+def test_target_folder_loads_in_transformers(trained):
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    folder = trained[0] / "target"
+    summary = json.loads((folder / "train_summary.json").read_text())
+    assert np.isfinite(summary["heldout_loss"])
+    corpus = json.loads((folder / "corpus.json").read_text())
+    assert corpus["heldout_files"] and all(data.is_heldout(f) for f in corpus["heldout_files"])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == data.EOS_TOKEN
+    assert tokenizer.convert_tokens_to_ids(data.MASK_TOKEN) is not None
+    model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
+    ours = load_target(folder, dtype="float32")
+    hidden, _ = train_target.causal_forward(ours.params, ours.config, jnp.asarray(ids.numpy(), jnp.int32))
+    np.testing.assert_allclose(np.asarray(train_target.target_model.logits(ours.params, hidden)),
+                               model(ids).logits.detach().numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_target_and_draft_losses_go_down(trained):
+    root = trained[0]
+    target_log = json.loads((root / "target.ckpt" / "train_log.json").read_text())
+    draft_log = json.loads((root / "draft.ckpt" / "train_log.json").read_text())
+    for log in (target_log, draft_log):
+        losses = [h["loss"] for h in log]
+        assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+    assert len(draft_log[-1]["position_accuracy"]) == 3 and draft_log[-1]["tau_proxy"] >= 1.0
+
+
+def test_resume_continues_identically(trained):
+    root, draft_args = trained
+    ckpt = root / "draft.ckpt"
+    full = json.loads((ckpt / "train_log.json").read_text())
+    shutil.rmtree(ckpt / "state" / str(DRAFT_STEPS))             # as if stopped after step 6
+    train_draft.main(draft_args + ["--resume"])
+    resumed = json.loads((ckpt / "train_log.json").read_text())
+    assert [h["step"] for h in resumed] == list(range(1, DRAFT_STEPS + 1))
+    np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in full], rtol=1e-6)
+
+
+def _reference_models(root):
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(root / "draft", dtype=torch.float32).eval()
+    return target, draft
+
+
+def test_export_round_trip_same_draft_logits(trained):
+    from dflash.model import extract_context_feature
+
+    root = trained[0]
+    target = load_target(root / "target", dtype="float32")
+    draft = load_draft(root / "draft", target, dtype="float32")
+    ref_target, ref_draft = _reference_models(root)
+    tokens = data.load_tokenizer(root / "target").encode("import json\nx = json.loads(s)\n").ids[:16]
+    anchor, block = len(tokens) - 1, draft.config.block_size
+    with torch.no_grad():
+        hidden = ref_target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        taps = extract_context_feature(hidden, ref_draft.target_layer_ids)
+        block_ids = torch.tensor([[tokens[anchor]] + [ref_draft.mask_token_id] * (block - 1)])
+        ref_hidden = ref_draft(target_hidden=taps[:, :anchor], noise_embedding=ref_target.model.embed_tokens(block_ids),
+                               position_ids=torch.arange(anchor + block)[None])
+        ref_logits = ref_draft.compute_logits(ref_hidden, ref_target.lm_head).numpy()
+
+    # Ours: the training forward (one anchor at the last token) on the reloaded draft.
+    row = jnp.asarray([tokens], jnp.int32)
+    _, our_taps = train_target.causal_forward(target.params, target.config, row, draft.config.target_layer_ids)
+    np.testing.assert_allclose(np.asarray(our_taps), taps.numpy(), atol=1e-4, rtol=1e-4)
+    anchors = jnp.array([[anchor]], jnp.int32)
+    blocks = data.make_blocks(row, jnp.ones_like(row, bool), anchors, block, draft.config.mask_token_id)
+    ours = train_draft.draft_block_hidden(draft.params, draft.config, target.params, our_taps, blocks, anchors)
+    logits = train_draft.draft_model.draft_logits(draft.params, draft.config, target.params, ours)
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=2e-4, rtol=2e-4)
+
+
+def test_reference_dflash_generate_matches_ours(trained, monkeypatch):
+    import dflash.model as reference
+
+    from dflash_jax.generate import generate
+
+    monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)   # no CUDA on CPU
+    root = trained[0]
+    ref_target, ref_draft = _reference_models(root)
+    target = load_target(root / "target", dtype="float32")
+    draft = load_draft(root / "draft", target, dtype="float32")
+    tokens = data.load_tokenizer(root / "target").encode("class Encoder:\n    def encode(self, o):\n").ids
+    ours = generate(target, [tokens], draft=draft, max_new_tokens=24, impl="reference")
+    ref = reference.dflash_generate(ref_draft, ref_target, torch.tensor([tokens]), 24, None, temperature=0.0,
+                                    return_stats=True)
+    assert ours.tokens[0] == ref.output_ids[0, len(tokens):].tolist()
+    assert ours.stats.accept_lengths[0] == ref.acceptance_lengths
+    assert max(ref.acceptance_lengths) > 1, "the draft should get some tokens accepted"
+
+
+def test_target_shape_must_suit_the_kernels():
+    with pytest.raises(ValueError, match="power-of-two multiple"):
+        train_target.TinyTargetShape(num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        train_target.TinyTargetShape(head_dim=48)
+
+
+def test_schedule_and_time_budget(tmp_path):
+    optim = train_target.OptimConfig(steps=100, lr=1e-3, warmup_frac=0.04)
+    rates = [optim.learning_rate(s, 100) for s in range(100)]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3]) and rates[-1] < 1e-6
+    assert np.all(np.diff(rates[3:]) <= 0)
+
+    def step_fn(state, learning_rate):
+        __import__("time").sleep(0.05)
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
+    state, history = train_target.run_training(
+        state, step_fn, lambda step: (), optim=dataclasses.replace(optim, steps=1000), ckpt_dir=tmp_path,
+        save_every=1000, resume=False, desc="budget", postfix=lambda m: {}, time_budget=1.5)
+    total = json.loads((tmp_path / "schedule.json").read_text())["total_steps"]
+    assert 12 <= total < 40 and int(state.step) == len(history) == total
+    assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
