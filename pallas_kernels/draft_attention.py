@@ -22,12 +22,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import gather_pages
 from pallas_kernels.tuning import next_power_of_2
-from pallas_kernels.verify_attention import (attend_pages, check_paged_args, choose_blocks,
-                                             init_carry, load_query_tile, masked_gqa_attention,
-                                             paged_attention_call, softmax_scale, softmax_step,
-                                             store_output)
+from pallas_kernels.verify_attention import (TUNING_ARGS, attend_pages, check_paged_args,
+                                             choose_blocks, init_carry, load_query_tile,
+                                             masked_gqa_attention, paged_attention_call,
+                                             softmax_scale, softmax_step, store_output)
 
-_TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
 # The block's own keys are one tile of up to this many tokens.
 MAX_BLOCK = 128
 
@@ -113,7 +112,7 @@ def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "causal", "interpret",
-                                             *_TUNING_ARGS))
+                                             *TUNING_ARGS))
 def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           page_table: jax.Array, context_lens: jax.Array, block_k: jax.Array,
                           block_v: jax.Array, block_lens: jax.Array | None = None, *,

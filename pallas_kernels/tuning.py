@@ -1,20 +1,24 @@
 """Block sizes for the Pallas kernels: one rule per kernel family, overridable per call.
 
-The attention kernels are memory-bound (a few FLOPs per KV byte), so the rule aims at
-(1) enough programs in flight to cover every SM of an H100/H200 (132 SMs; we aim for two
-waves), splitting the context across programs when batch x heads x query tiles is small, and
-(2) KV tiles of ~64-128 tokens per loop step so each step issues large, coalesced loads.
+The attention kernels are memory-bound (at most a few dozen FLOPs per KV byte), so the rule aims
+for (1) enough programs to cover every SM of an H100/H200 (132 SMs), splitting the context
+across programs when batch x KV heads x query tiles is small, and (2) KV tiles of 128 tokens (64
+in f32) per loop step, software-pipelined as deep as shared memory allows. Measured on an H100
+(benchmarks/bench_kernels.py, 2026-11-21): three stages beat two by 10-20% once a program holds
+>= 32 query rows, two stages are best for decode; verify programs (64 rows) run best about one
+per SM, decode programs (16 rows) about two per SM; at 16-64 rows 8 warps were slower than 4.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Two waves of one program per SM on a 132-SM Hopper part.
-TARGET_PROGRAMS = 264
-# Never split the context finer than this many KV tiles per program.
-MIN_TILES_PER_SPLIT = 2
+NUM_SMS = 132  # H100 / H200
+MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program
 MAX_SPLITS = 64
+# Triton keeps num_stages copies of the K and V tiles (and possibly the query tile) in shared
+# memory, 227 KB per SM on Hopper; stay under this so a config never fails to launch.
+SMEM_BUDGET = 220 * 1024
 
 
 def next_power_of_2(n: int) -> int:
@@ -34,31 +38,35 @@ class AttentionBlocks:
 
 
 def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
-                     pages_per_seq: int, batch: int, kv_heads: int,
+                     pages_per_seq: int, batch: int, kv_heads: int, itemsize: int = 2,
                      block_t: int | None = None, pages_per_block: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> AttentionBlocks:
     """Pick the blocks for paged verify/draft attention; any argument given wins over the rule.
 
-    Rows per program are padded to at least 16 (the smallest tensor-core tile); the KV tile is
-    ~128 tokens at head_dim <= 128 (64 above) and never under 16 tokens.
+    Rows per program are padded to at least 16 (the smallest tensor-core tile) and capped at 128
+    (64 for f32 or head_dim > 128); the KV tile is 128 tokens (64 for f32 or head_dim > 128)
+    and never under 16.
     """
-    max_rows = 128 if head_dim <= 128 else 64
+    small = itemsize <= 2 and head_dim <= 128
     if block_t is None:
-        rows = min(max(16, next_power_of_2(q_len * group)), max(max_rows, group))
+        rows = min(max(16, next_power_of_2(q_len * group)), max(128 if small else 64, group))
         block_t = max(1, rows // group)
+    rows = block_t * group
     if pages_per_block is None:
-        kv_tile = 128 if head_dim <= 128 else 64
-        pages_per_block = max(1, kv_tile // page_size, 16 // page_size)
+        pages_per_block = max(1, (128 if small else 64) // page_size, 16 // page_size)
+    stage_bytes = 2 * pages_per_block * page_size * head_dim * itemsize
+    q_bytes = rows * head_dim * itemsize
+    if num_stages is None:
+        num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
+                          if s == 1 or s * stage_bytes + q_bytes <= SMEM_BUDGET)
     if num_splits is None:
+        target = NUM_SMS * (2 if rows <= 16 else 1)
         programs = batch * kv_heads * -(-q_len // block_t)
         tiles = -(-pages_per_seq // pages_per_block)
-        num_splits = max(1, min(-(-TARGET_PROGRAMS // programs), tiles // MIN_TILES_PER_SPLIT,
-                                MAX_SPLITS))
+        num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     if num_warps is None:
-        num_warps = 8 if block_t * group >= 128 else 4
-    if num_stages is None:
-        num_stages = 2
+        num_warps = 8 if rows >= 128 else 4
     return AttentionBlocks(block_t, pages_per_block, num_splits, num_warps, num_stages)
 
 

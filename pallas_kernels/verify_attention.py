@@ -29,7 +29,7 @@ from pallas_kernels.paging import gather_pages
 from pallas_kernels.tuning import AttentionBlocks, attention_blocks
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
+TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
 
 
 def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
@@ -74,8 +74,8 @@ def paged_verify_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
 # Kernel pieces shared with draft_attention.
 
 
-def _iota(n: int, shape: tuple[int, ...] | None = None, dim: int = 0) -> jax.Array:
-    return lax.broadcasted_iota(jnp.int32, shape or (n,), dim)
+def _iota(shape: int | tuple[int, ...], dim: int = 0) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (shape,) if isinstance(shape, int) else shape, dim)
 
 
 def softmax_step(carry, q, k, v, visible, scale):
@@ -117,7 +117,7 @@ def attend_pages(q, k_ref, v_ref, pt_ref, carry, *, kv_begin, kv_end, row_end, r
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, num_steps)
     offsets = _iota(block_k)
-    d = _iota(head_dim, (1, head_dim), 1)
+    d = _iota((1, head_dim), 1)
 
     def body(step, carry):
         pos = (first_page + step * pages_per_block) * page_size + offsets
@@ -215,7 +215,7 @@ def choose_blocks(q, k_pages, page_table, **tuning) -> AttentionBlocks:
     group = q_heads // kv_heads
     blocks = attention_blocks(q_len=q_len, group=group, head_dim=head_dim, page_size=page_size,
                               pages_per_seq=page_table.shape[1], batch=batch, kv_heads=kv_heads,
-                              **tuning)
+                              itemsize=q.dtype.itemsize, **tuning)
     rows = blocks.block_t * group
     if not _is_power_of_2(rows) or rows < 16:
         raise ValueError(f"block_t * group must be a power of two >= 16, got "
@@ -229,13 +229,13 @@ def choose_blocks(q, k_pages, page_table, **tuning) -> AttentionBlocks:
     return blocks
 
 
-def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
-    """Merge per-split normalized outputs o [S, ...,  D] by their log2-sum-exp lse [S, ...]."""
+def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge per-split normalized outputs o [S, ..., D] by their log2-sum-exp lse [S, ...]."""
     top = jnp.max(lse, axis=0)
     weights = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     denom = jnp.sum(weights, axis=0)
-    out = jnp.sum(weights[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.astype(dtype)
+    out = jnp.sum(weights[..., None] * o.astype(jnp.float32), axis=0)
+    return (out / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(o.dtype)
 
 
 def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, block_kv,
@@ -264,7 +264,9 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
         out_shape = [jax.ShapeDtypeStruct(q5.shape, q.dtype)]
         out_specs = [q_spec]
     else:
-        out_shape = [jax.ShapeDtypeStruct((splits, *q5.shape), jnp.float32),
+        # Partial outputs in q's dtype (normalized, so bf16 costs one extra rounding) halve the
+        # traffic of the merge; the log-sum-exp stays f32.
+        out_shape = [jax.ShapeDtypeStruct((splits, *q5.shape), q.dtype),
                      jax.ShapeDtypeStruct((splits, *q5.shape[:-1]), jnp.float32)]
         out_specs = [
             pl.BlockSpec((None, None, q_len, None, group, head_dim),
@@ -282,7 +284,7 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
         interpret=interpret,
         name=name,
     )(*[x.astype(jnp.int32) for x in seq_scalars], page_table, q5, k_pages, v_pages, *block_kv)
-    out = outs[0] if splits == 1 else combine_splits(*outs, q.dtype)
+    out = outs[0] if splits == 1 else combine_splits(*outs)
     return out.reshape(q.shape)
 
 
@@ -313,7 +315,7 @@ def _verify_kernel(start_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs, q_l
     store_output(o_ref, lse_refs, carry, t0, block_t, q_len)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", *_TUNING_ARGS))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", *TUNING_ARGS))
 def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, start: jax.Array, *,
                            sliding_window: int | None = None, interpret: bool = False,

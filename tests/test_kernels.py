@@ -9,6 +9,7 @@ On a GPU backend (``JAX_PLATFORMS=cuda``) the same checks run the compiled kerne
 from __future__ import annotations
 
 import functools
+import itertools
 import zlib
 
 import jax
@@ -32,12 +33,25 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _check(out, ref, dtype):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape
-    assert np.isfinite(out).all(), "kernel output has NaN/inf (read of an invisible slot?)"
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err < (F32_TOL if dtype == jnp.float32 else LOW_TOL), f"relative L2 error {err:.3g}"
+def _reference(fn, *args, **static):
+    """The reference, jitted (as the model runs it) and with full-precision f32 matmuls (on a
+    GPU, XLA's default would be TF32)."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(functools.partial(fn, **static))(*args)
+
+
+@pytest.fixture
+def check(record_property):
+    """Compare with the reference; the errors go into the junit report (``--junitxml``)."""
+    def check(out, ref, dtype):
+        out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        assert out.shape == ref.shape
+        assert np.isfinite(out).all(), "kernel output has NaN/inf (read of an invisible slot?)"
+        err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+        record_property("rel_l2_err", float(err))
+        record_property("max_abs_err", float(np.max(np.abs(out - ref))))
+        assert err < (F32_TOL if dtype == jnp.float32 else LOW_TOL), f"relative L2 error {err:.3g}"
+    return check
 
 
 def make_cache(rng, lens, *, pages_per_seq, page_size, kv_heads, head_dim, dtype, spare=3):
@@ -68,26 +82,34 @@ def make_cache(rng, lens, *, pages_per_seq, page_size, kv_heads, head_dim, dtype
 # --------------------------------------------------------------------------------------------
 # paged_verify_attention: decode (T=1), verify (T<=16), prefill (query tiles).
 
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def _grid(*axes):
+    return list(itertools.product(*axes))
+
+
+# Full product of dtype x GQA group x head_dim x sliding window; page size, query length (decode
+# 1, verify 16 / 5, prefill 37 in several query tiles) and tuning overrides cycle along it so
+# that each meets every value of the other axes; every batch mixes a fresh prompt (start 0), an
+# exact page multiple and a random length.
+VERIFY_GRID = _grid(("f32", "bf16"), (1, 4, 8), (64, 128), (None, 20))
+VERIFY_T = (1, 16, 5, 37)
+TUNINGS = ({}, {"num_splits": 3}, {"pages_per_block": 1}, {"block_t": 16, "num_splits": 2})
 VERIFY_CASES = [
-    # dtype, group, head_dim, page_size, T, lengths (start + T), window, tuning
-    ("f32", 1, 64, 16, 1, [1, 32, 45], None, {}),
-    ("f32", 4, 128, 32, 16, [64, 16, 50], None, {}),
-    ("bf16", 8, 64, 16, 5, [5, 48, 37], 20, {}),
-    ("bf16", 4, 128, 16, 1, [80, 1, 33], None, {"num_splits": 3}),
-    ("f32", 4, 64, 32, 40, [40, 96], 24, {"block_t": 8}),
-    ("bf16", 1, 128, 32, 16, [16, 61], 8, {}),
-    ("f32", 8, 128, 16, 2, [2, 64, 17], 17, {"num_splits": 2, "pages_per_block": 2}),
-    ("bf16", 4, 64, 16, 70, [70, 90], None, {"block_t": 16, "num_splits": 2}),
-    ("f16", 4, 64, 16, 3, [3, 31], None, {}),
-]
+    (dtype, group, head_dim, (16, 32)[(i + i // 2) % 2], window, VERIFY_T[(i + i // 4) % 4],
+     TUNINGS[(i // 2 + i // 4) % 4])
+    for i, (dtype, group, head_dim, window) in enumerate(VERIFY_GRID)
+] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16})]
 
 
-@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c[:7])))
-def test_verify_attention(case, interpret):
-    dtype, group, head_dim, page_size, q_len, lens, window, tuning = case
-    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_verify_attention(case, interpret, check):
+    dtype, group, head_dim, page_size, window, q_len, tuning = case
+    dtype = DTYPES[dtype]
     rng = _rng("verify", case)
     kv_heads = 2
+    lens = [q_len, max(q_len, 2 * page_size), int(rng.integers(q_len, 3 * page_size + q_len))]
     pages_per_seq = -(-max(lens) // page_size) + 1
     k, v, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
                              kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
@@ -95,31 +117,31 @@ def test_verify_attention(case, interpret):
     start = jnp.asarray(lens, jnp.int32) - q_len
     out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window,
                                     interpret=interpret, **tuning)
-    ref = jax.jit(pk.paged_verify_attention_reference, static_argnames="sliding_window")(
-        q, k, v, table, start, sliding_window=window)
-    _check(out, ref, dtype)
+    ref = _reference(pk.paged_verify_attention_reference, q, k, v, table, start,
+                     sliding_window=window)
+    check(out, ref, dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # paged_draft_attention: context pages + the block's own K/V in one softmax.
 
-DRAFT_CASES = [
-    # dtype, group, head_dim, page_size, T, context_lens, block_lens, window, causal, tuning
-    ("f32", 4, 64, 16, 16, [0, 1, 32], None, None, False, {}),
-    ("f32", 1, 128, 32, 16, [64, 45], [5, 16], None, True, {}),
-    ("bf16", 8, 64, 16, 8, [17, 48, 3], [8, 0, 3], 12, False, {}),
-    ("bf16", 4, 128, 16, 16, [77, 32], [16, 9], 20, True, {"num_splits": 3}),
-    ("f32", 4, 64, 32, 16, [96, 10], [1, 16], 40, False, {"num_splits": 2, "block_t": 2}),
-    ("bf16", 1, 64, 32, 4, [31, 0], [2, 4], None, False, {}),
-]
+# Full product of dtype x group x causal x window; head_dim / page_size / block length and the
+# tuning overrides cycle along it; each batch has context lengths 0, 1, an exact page multiple
+# and a random one, and block_lens full, half, empty and random.
+DRAFT_GRID = _grid(("f32", "bf16"), (1, 4, 8), (False, True), (None, 12))
+DRAFT_SHAPES = ((64, 16, 16), (128, 32, 8), (128, 16, 16), (64, 32, 4))
+DRAFT_CASES = [(*c, *DRAFT_SHAPES[(i + i // 2) % 4], TUNINGS[(i + i // 4) % 4])
+               for i, c in enumerate(DRAFT_GRID)]
 
 
-@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c[:9])))
-def test_draft_attention(case, interpret):
-    dtype, group, head_dim, page_size, block, ctx, blens, window, causal, tuning = case
-    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_draft_attention(case, interpret, check):
+    dtype, group, causal, window, head_dim, page_size, block, tuning = case
+    dtype = DTYPES[dtype]
     rng = _rng("draft", case)
     kv_heads = 2
+    ctx = [0, 1, 2 * page_size, int(rng.integers(2, 4 * page_size))]
+    blens = [block, block // 2, 0, int(rng.integers(1, block + 1))]
     batch = len(ctx)
     pages_per_seq = -(-max(ctx) // page_size) + 1
     k, v, table = make_cache(rng, ctx, pages_per_seq=pages_per_seq, page_size=page_size,
@@ -127,20 +149,30 @@ def test_draft_attention(case, interpret):
     q = jnp.asarray(rng.standard_normal((batch, block, kv_heads * group, head_dim)), dtype)
     block_k = rng.standard_normal((batch, block, kv_heads, head_dim))
     block_v = rng.standard_normal((batch, block, kv_heads, head_dim))
-    if blens is not None:  # keys past block_lens are not real: poison them
-        pad = np.arange(block)[None, :] >= np.asarray(blens)[:, None]
-        block_k[pad] = np.nan
-        block_v[pad] = np.nan
-        blens = jnp.asarray(blens, jnp.int32)
+    pad = np.arange(block)[None, :] >= np.asarray(blens)[:, None]
+    block_k[pad] = np.nan  # keys past block_lens are not real: poison them
+    block_v[pad] = np.nan
     block_k, block_v = jnp.asarray(block_k, dtype), jnp.asarray(block_v, dtype)
-    ctx = jnp.asarray(ctx, jnp.int32)
+    ctx, blens = jnp.asarray(ctx, jnp.int32), jnp.asarray(blens, jnp.int32)
     out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, blens,
                                    sliding_window=window, causal=causal, interpret=interpret,
                                    **tuning)
-    ref = jax.jit(pk.paged_draft_attention_reference,
-                  static_argnames=("sliding_window", "causal"))(
-        q, k, v, table, ctx, block_k, block_v, blens, sliding_window=window, causal=causal)
-    _check(out, ref, dtype)
+    ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v,
+                     blens, sliding_window=window, causal=causal)
+    check(out, ref, dtype)
+
+
+def test_draft_attention_default_block_lens(interpret, check):
+    rng = _rng("draft-default")
+    k, v, table = make_cache(rng, [5, 40], pages_per_seq=4, page_size=16, kv_heads=2,
+                             head_dim=64, dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 64)), jnp.float32)
+    block_k, block_v = (jnp.asarray(rng.standard_normal((2, 16, 2, 64)), jnp.float32)
+                        for _ in range(2))
+    ctx = jnp.asarray([5, 40], jnp.int32)
+    out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret)
+    ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v)
+    check(out, ref, jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,26 +182,26 @@ NORM_CASES = [("f32", 64, 3, 5), ("bf16", 128, 8, 3), ("f32", 128, 1, 40), ("bf1
 
 
 @pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_norm_rope(case, interpret):
+def test_norm_rope(case, interpret, check):
     dtype, head_dim, heads, q_len = case
-    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    dtype = DTYPES[dtype]
     rng = _rng("norm_rope", case)
     x = jnp.asarray(3 * rng.standard_normal((2, q_len, heads, head_dim)), dtype)
     weight = jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype)
     positions = jnp.asarray(rng.integers(0, 40_000, (2, q_len)), jnp.int32)
     kw = dict(eps=1e-6, theta=1e6)
     out = pk.norm_rope(x, weight, positions, interpret=interpret, **kw)
-    ref = jax.jit(functools.partial(pk.norm_rope_reference, **kw))(x, weight, positions)
-    _check(out, ref, dtype)
+    ref = _reference(pk.norm_rope_reference, x, weight, positions, **kw)
+    check(out, ref, dtype)
 
 
 WRITE_CASES = [("f32", 64, 16, 2), ("bf16", 128, 32, 8), ("f32", 128, 32, 1), ("bf16", 64, 16, 4)]
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_norm_rope_write(case, interpret):
+def test_norm_rope_write(case, interpret, check):
     dtype, head_dim, page_size, heads = case
-    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    dtype = DTYPES[dtype]
     rng = _rng("write", case)
     batch, q_len, pages_per_seq = 3, 6, 3
     num_pages = batch * pages_per_seq + 2
@@ -188,8 +220,8 @@ def test_norm_rope_write(case, interpret):
             jnp.asarray(table, jnp.int32))
     kw = dict(eps=1e-6, theta=1e4)
     k_out, v_out = pk.norm_rope_write(*args, interpret=interpret, **kw)
-    k_ref, v_ref = jax.jit(functools.partial(pk.norm_rope_write_reference, **kw))(*args)
-    _check(k_out, k_ref, dtype)
+    k_ref, v_ref = _reference(pk.norm_rope_write_reference, *args, **kw)
+    check(k_out, k_ref, dtype)
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
 
 
@@ -256,7 +288,7 @@ def test_lowers_for_cuda(name):
 BAD_ARGS = [
     ("q", lambda: _attention_shapes(head_dim=48)),
     ("q heads", lambda: _attention_shapes(q_heads=24)),
-    ("k_pages dtype", lambda: (S((2, 16, 32, 128), jnp.float32), *_attention_shapes()[1:])),
+    ("k_pages/v_pages dtype", lambda: (S((2, 16, 32, 128), jnp.float32), *_attention_shapes()[1:])),
     ("page_size", lambda: _attention_shapes(page_size=24)),
     ("page_table", lambda: (*_attention_shapes()[:3], S((2, 64), jnp.int64 if jax.config.x64_enabled
                                                          else jnp.int16), S((2,), jnp.int32))),
