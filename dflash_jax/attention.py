@@ -1,10 +1,10 @@
 """The one place that chooses between Pallas kernels and their plain-jnp references.
 
 ``impl`` is a static choice threaded through every forward:
-- ``"auto"``: kernels on GPU, references elsewhere;
+- ``"auto"``: on GPU, the kernels that beat XLA there (``AUTO_KERNELS``); references elsewhere;
 - ``"reference"``: plain jnp everywhere;
-- ``"pallas"``: kernels, compiled (GPU only);
-- ``"interpret"``: kernels in Pallas interpret mode (any backend; slow, for tests).
+- ``"pallas"``: every kernel, compiled (GPU only);
+- ``"interpret"``: every kernel in Pallas interpret mode (any backend; slow, for tests).
 """
 
 from __future__ import annotations
@@ -19,13 +19,20 @@ AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
-def resolve_impl(impl: AttentionImpl) -> str:
-    """Turn ``auto`` into a concrete choice and reject combinations that cannot run."""
+# What "auto" runs as a kernel on GPU, per operation. Measured on an H100 (benchmarks/RESULTS.md,
+# 2026-11-21): the paged attention kernels beat XLA and cuDNN at every size; the fused
+# norm+RoPE kernels do not at model sizes (XLA fuses them into their neighbours), so auto keeps
+# XLA for those. "pallas" forces every kernel.
+AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": False, "write_kv": False}
+
+
+def resolve_impl(impl: AttentionImpl, op: str) -> str:
+    """Turn ``auto`` into a concrete choice for ``op`` and reject combinations that cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     backend = jax.default_backend()
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "reference"
+        return "pallas" if backend == "gpu" and AUTO_KERNELS[op] else "reference"
     if impl == "pallas" and backend != "gpu":
         raise ValueError(f"attention impl 'pallas' needs a GPU (backend is '{backend}'); "
                          "use 'interpret' to run the kernels on CPU or 'reference'")
@@ -38,7 +45,7 @@ def _kernel_kwargs(impl: str) -> dict:
 
 def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, impl):
     """Causal attention of new tokens (already written to the pages) at start[b] + t."""
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "verify_attention")
     if impl == "reference":
         return pk.paged_verify_attention_reference(q, k_pages, v_pages, page_table, start,
                                                    sliding_window=sliding_window)
@@ -49,7 +56,7 @@ def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, 
 def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v, block_lens, *,
                     sliding_window, causal, impl):
     """Draft block attention over paged context K/V plus the block's own K/V."""
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "draft_attention")
     if impl == "reference":
         return pk.paged_draft_attention_reference(q, k_pages, v_pages, page_table, context_lens,
                                                   block_k, block_v, block_lens,
@@ -61,7 +68,7 @@ def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, bloc
 
 def norm_rope(x, weight, positions, *, eps, theta, impl):
     """Per-head RMSNorm + RoPE of x [B, T, heads, head_dim]."""
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "norm_rope")
     if impl == "reference":
         return pk.norm_rope_reference(x, weight, positions, eps=eps, theta=theta)
     return pk.norm_rope(x, weight, positions, eps=eps, theta=theta, **_kernel_kwargs(impl))
@@ -69,9 +76,33 @@ def norm_rope(x, weight, positions, *, eps, theta, impl):
 
 def write_kv(k, v, k_norm, positions, k_pages, v_pages, page_table, *, eps, theta, impl):
     """Store norm_rope(k) and v at ``positions`` [B, T]; returns the updated (k_pages, v_pages)."""
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "write_kv")
     if impl == "reference":
         return pk.norm_rope_write_reference(k, v, k_norm, positions, k_pages, v_pages, page_table,
                                             eps=eps, theta=theta)
     return pk.norm_rope_write(k, v, k_norm, positions, k_pages, v_pages, page_table,
                               eps=eps, theta=theta, **_kernel_kwargs(impl))
+
+
+def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int) -> None:
+    """Raise before compiling when the attention kernels ``impl`` selects cannot run these
+    models (the kernels need power-of-two head_dim >= 16, GQA group and page size, block <= 128)."""
+    if resolve_impl(impl, "verify_attention") == "reference":
+        return
+    def power_of_two(n):
+        return n > 0 and n & (n - 1) == 0
+    problems = []
+    for config in configs:
+        group = config.num_heads // config.num_kv_heads
+        if not (power_of_two(config.head_dim) and config.head_dim >= 16):
+            problems.append(f"head_dim {config.head_dim} (needs a power of two >= 16)")
+        if not power_of_two(group):
+            problems.append(f"{config.num_heads} query heads over {config.num_kv_heads} KV heads "
+                            "(the group must be a power of two)")
+    if not power_of_two(page_size):
+        problems.append(f"page_size {page_size} (needs a power of two)")
+    if block_size > 128:
+        problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
+    if problems:
+        raise ValueError(f"the Pallas attention kernels (impl={impl!r}) cannot run {'; '.join(problems)}; "
+                         "pass impl='reference' (CLI: --impl reference)")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.decode import DecodeState, LoopConfig, decode_chunk, prefill
 from dflash_jax.models import Draft, Target, load_draft, load_target
@@ -177,6 +178,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
                         block_size=block_size or 1, sampling=sampling, impl=impl, accept_replay=accept_replay)
 
+    configs = [target.config] + ([draft.config.model] if draft is not None else [])
+    check_kernel_shapes(impl, configs, page_size, config.block_size)
     lens = [len(p) for p in prompts]
     limit = target.config.max_position_embeddings
     if max(n + m for n, m in zip(lens, max_new)) > limit:
