@@ -84,7 +84,8 @@ class Roofline:
 def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, impl):
     """Median ms per step and tok/s of the real decode loop (chunks of ``steps`` steps)."""
     prompts = rng.integers(0, target.config.vocab_size // 2, (batch, context)).tolist()
-    max_new = steps * block * (repeats + 2) + 1
+    # One max_new_tokens for every block size: the prefill (and its compile) is then shared.
+    max_new = steps * (draft.config.block_size if draft else 1) * (repeats + 2) + 1
     prep = prepare(target, prompts, draft=draft, block_size=block if draft else None,
                    max_new_tokens=max_new, chunk_steps=steps, accept_replay=draft is not None, impl=impl)
     results = {}
@@ -175,8 +176,13 @@ def main():
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
     parser.add_argument("--ceiling-mib", type=int, default=2048, help="buffer size for the bandwidth ceiling")
     parser.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--parts-batches", default="1,32")
+    parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,parts,e2e")
     args = parser.parse_args()
+    # Identical programs (a prefill shared by several block sizes) compile once.
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -213,7 +219,7 @@ def main():
 
     parts = report["parts"] = {}
     if "parts" not in skip:
-        for batch in batches:
+        for batch in [int(b) for b in args.parts_batches.split(",")]:
             r = time_parts(target, draft, batch, 512, 16, 8, args.repeats, rng, args.impl)
             r["draft_roofline_ms"] = roof.draft(batch, 512, 16) * 1e3
             r["verify_roofline_ms"] = roof.verify(batch, 512, 16) * 1e3

@@ -195,7 +195,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
               jnp.asarray(_stop_array(stop_token_ids, batch)))
     max_steps = max(max_new)
-    buffer_len = max_steps + config.block_size
+    # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
+    buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, page_table, num_pages, page_size,
                                   None, None, 0.0)
