@@ -47,8 +47,8 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
             impl: str = "auto") -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
     """Run tokens [B, T] at positions start[b] + t, writing their K/V into the cache.
 
-    Returns the final-normed hidden states [B, T, H], the outputs of ``tap_layers`` concatenated
-    on the feature axis [B, T, len(tap_layers) * H] (None when no taps), and the cache. The
+    Returns the final-normed hidden states [B, T, H], the outputs of ``tap_layers`` (HF
+    ``hidden_states[k + 1]``: for the last layer, the final-normed state) concatenated on the feature axis [B, T, len(tap_layers) * H] (None when no taps), and the cache. The
     cache's ``lengths`` are not changed: committing is the caller's decision.
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
@@ -58,8 +58,13 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
         x, cache = target_layer(x, layer, config, index, positions, cache, impl)
         if index in tap_layers:
             outputs[index] = x
+    normed = rms_norm(x, params.norm, config.rms_norm_eps)
+    # HF's hidden_states[L] (what the z-lab reference taps for the last layer) is the final-normed
+    # state, not the raw output of the last decoder layer.
+    if config.num_layers - 1 in outputs:
+        outputs[config.num_layers - 1] = normed
     taps = jnp.concatenate([outputs[i] for i in tap_layers], axis=-1) if tap_layers else None
-    return rms_norm(x, params.norm, config.rms_norm_eps), taps, cache
+    return normed, taps, cache
 
 
 def logits(params: TargetParams, hidden: jax.Array) -> jax.Array:

@@ -1,10 +1,79 @@
 """Shared fixtures: tiny random HF checkpoints written with transformers (and the z-lab package)."""
 
 import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zlab_reference_on_cpu():
+    """dflash.model times its phases with torch.cuda.synchronize(); use a plain clock on CPU."""
+    try:
+        import dflash.model as dm
+    except ImportError:  # suites that do not need the reference
+        yield
+        return
+    original = dm._cuda_time
+    dm._cuda_time = time.perf_counter
+    yield
+    dm._cuda_time = original
+
+
+@dataclass
+class ModelPair:
+    """One target + z-lab draft: the torch reference modules, their folders and our loaded copies."""
+
+    hf_target: object
+    hf_draft: object
+    target_dir: Path
+    draft_dir: Path
+    target: object   # dflash_jax.models.Target (f32)
+    draft: object    # dflash_jax.models.Draft (f32)
+
+
+# Architecture shared by the DFlash pairs (same shapes and configs -> compiled loops are reused).
+PAIR_TARGET = dict(vocab=128, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, rope_theta=1e4)
+PAIR_DRAFT = dict(layers=2, block_size=16, target_layer_ids=(0, 1), heads=4, kv_heads=2, rope_theta=1e4,
+                  mask_token_id=127)
+
+
+def _save_and_load(root: Path, hf_target, hf_draft) -> ModelPair:
+    from builders import save_draft, save_target
+    from dflash_jax.models import load_draft, load_target
+
+    target_dir = save_target(hf_target, root / "target")
+    draft_dir = save_draft(hf_draft, root / "draft")
+    target = load_target(target_dir, "float32")
+    return ModelPair(hf_target, hf_draft, target_dir, draft_dir, target, load_draft(draft_dir, target, "float32"))
+
+
+@pytest.fixture(scope="session")
+def spec_pair(tmp_path_factory) -> ModelPair:
+    """Copying target + copying draft: long, varied accepted runs over varied tokens
+    (builders.make_copy_target / make_copy_draft)."""
+    from builders import make_copy_draft, make_copy_target
+
+    hf_target = make_copy_target()
+    return _save_and_load(tmp_path_factory.mktemp("spec_pair"), hf_target, make_copy_draft(hf_target))
+
+
+@pytest.fixture(scope="session")
+def random_pair(tmp_path_factory) -> ModelPair:
+    """Plain random target + draft (acceptance ~1 token per step), same configs as spec_pair."""
+    from builders import make_target, make_zlab_draft
+
+    hf_target = make_target(seed=1, std=0.1, **PAIR_TARGET)
+    hf_draft = make_zlab_draft(hf_target, seed=101, std=0.3, **PAIR_DRAFT)
+    return _save_and_load(tmp_path_factory.mktemp("random_pair"), hf_target, hf_draft)
