@@ -48,8 +48,9 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
     """Run tokens [B, T] at positions start[b] + t, writing their K/V into the cache.
 
     Returns the final-normed hidden states [B, T, H], the outputs of ``tap_layers`` (HF
-    ``hidden_states[k + 1]``: for the last layer, the final-normed state) concatenated on the feature axis [B, T, len(tap_layers) * H] (None when no taps), and the cache. The
-    cache's ``lengths`` are not changed: committing is the caller's decision.
+    ``hidden_states[k + 1]``; for the last layer that is the final-normed state) concatenated on
+    the feature axis [B, T, len(tap_layers) * H] (None when no taps), and the cache. The cache's
+    ``lengths`` are not changed: committing is the caller's decision.
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = params.embed[tokens]

@@ -1,0 +1,262 @@
+"""Tiny random HF checkpoints for the parity tests: Qwen3 targets (transformers), DFlash drafts
+in z-lab format (``dflash.model.DFlashDraftModel``) and in speculators format.
+
+Weights are drawn with numpy from a seed (not with transformers' initializers), so a test's
+models do not change when transformers changes its init. Norm weights are 1 + noise so that
+a norm applied with the wrong weight (or not at all) shows up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+
+def fill_random(module: torch.nn.Module, seed: int, *, std: float = 0.02, embed_std: float = 1.0,
+                norm_jitter: float = 0.1) -> torch.nn.Module:
+    """Overwrite every parameter (tied ones once) with seeded numpy draws."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            shape = tuple(param.shape)
+            if "norm" in name:
+                value = 1.0 + norm_jitter * rng.standard_normal(shape)
+            elif "embed_tokens" in name:
+                value = embed_std * rng.standard_normal(shape)
+            else:
+                value = std * rng.standard_normal(shape)
+            param.copy_(torch.from_numpy(value.astype(np.float32)))
+    return module
+
+
+def qwen3_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                 head_dim: int | None = None, intermediate: int | None = None, tie: bool = False,
+                 rope_theta: float = 1_000_000.0, layer_types=None, sliding_window: int | None = None,
+                 eps: float = 1e-6, max_position: int = 4096):
+    from transformers import Qwen3Config
+
+    kwargs = {}
+    if sliding_window is not None:
+        kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
+    if layer_types is not None:
+        kwargs["layer_types"] = list(layer_types)
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim or hidden // heads, tie_word_embeddings=tie, rms_norm_eps=eps,
+                       rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+                       max_position_embeddings=max_position, attn_implementation="eager", **kwargs)
+
+
+def make_target(*, seed: int = 0, std: float = 0.02, embed_std: float = 1.0, **config):
+    """A Qwen3ForCausalLM (f32, eval) with seeded random weights."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(qwen3_config(**config)).eval()
+    return fill_random(model, seed, std=std, embed_std=embed_std)
+
+
+def _edit_config(path: Path, edit) -> None:
+    file = Path(path) / "config.json"
+    raw = json.loads(file.read_text())
+    edit(raw)
+    file.write_text(json.dumps(raw, indent=2))
+
+
+def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: bool = False,
+                eos_token_id=None) -> Path:
+    """save_pretrained, then optionally rewrite config.json in older styles: ``rope_style="theta"``
+    puts ``rope_theta`` at the top level (no rope_parameters); ``drop_head_dim`` removes head_dim
+    (only valid when it equals hidden // heads)."""
+    path = Path(path)
+    model.save_pretrained(path)
+
+    def edit(raw):
+        if rope_style == "theta":
+            raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+        if drop_head_dim:
+            assert raw["head_dim"] == raw["hidden_size"] // raw["num_attention_heads"]
+            del raw["head_dim"]
+        if eos_token_id is not None:
+            raw["eos_token_id"] = eos_token_id
+
+    _edit_config(path, edit)
+    return path
+
+
+def make_zlab_draft(target, *, layers: int = 2, block_size: int = 16, mask_token_id: int | None = None,
+                    target_layer_ids=(1, 2), heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
+                    rope_theta: float = 10_000.0, layer_types=None, sliding_window: int | None = None,
+                    extra: dict | None = None, seed: int = 100, std: float = 0.02):
+    """A z-lab DFlashDraftModel reading ``target`` (a Qwen3ForCausalLM), seeded random weights."""
+    from dflash.model import DFlashDraftModel
+
+    tcfg = target.config
+    cfg = qwen3_config(vocab=tcfg.vocab_size, hidden=tcfg.hidden_size, layers=layers, heads=heads,
+                       kv_heads=kv_heads, head_dim=head_dim, intermediate=tcfg.intermediate_size,
+                       rope_theta=rope_theta, layer_types=layer_types, sliding_window=sliding_window,
+                       eps=tcfg.rms_norm_eps)
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size = block_size
+    cfg.num_target_layers = tcfg.num_hidden_layers
+    dflash = {"mask_token_id": tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id}
+    if target_layer_ids is not None:
+        dflash["target_layer_ids"] = list(target_layer_ids)
+    dflash.update(extra or {})
+    cfg.dflash_config = dflash
+    model = DFlashDraftModel(cfg).eval()
+    return fill_random(model, seed, std=std)
+
+
+def save_draft(model, path) -> Path:
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def output_head_weight(target) -> torch.Tensor:
+    return target.get_output_embeddings().weight
+
+
+def save_speculators_draft(draft, target, path, *, selected_ids=None) -> Path:
+    """Write ``draft`` (a z-lab DFlashDraftModel) in vLLM speculators format.
+
+    ``selected_ids`` (sorted target ids) makes a reduced draft vocabulary: ``lm_head`` holds only
+    those rows of the target's output head, ``d2t[i] = selected_ids[i] - i`` (int64) and ``t2d``
+    is the bool mask of selected target ids."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dcfg = draft.config
+    vocab = dcfg.vocab_size
+    layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                  "rope_parameters", "attention_bias", "layer_types", "sliding_window", "use_sliding_window",
+                  "tie_word_embeddings")
+    full = dcfg.to_dict()
+    layer_config = {"model_type": "qwen3", **{k: full[k] for k in layer_keys if k in full}}
+    ids = list(draft.target_layer_ids)
+    draft_vocab = vocab if selected_ids is None else len(selected_ids)
+    config = {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": layer_config,
+        "block_size": int(draft.block_size),
+        "mask_token_id": int(draft.mask_token_id),
+        "aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        "draft_vocab_size": draft_vocab,
+        "speculators_version": "0.3.0",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {name: value.detach().clone().contiguous() for name, value in draft.state_dict().items()
+               if not name.endswith("inv_freq")}
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    head = output_head_weight(target).detach().clone()
+    if selected_ids is None:
+        tensors["lm_head.weight"] = head
+    else:
+        selected = torch.as_tensor(np.asarray(selected_ids), dtype=torch.long)
+        assert bool((selected[1:] > selected[:-1]).all()), "selected_ids must be sorted and unique"
+        tensors["lm_head.weight"] = head[selected].contiguous()
+        tensors["d2t"] = selected - torch.arange(len(selected))
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[selected] = True
+        tensors["t2d"] = t2d
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _rope_peak_query(head_dim: int, theta: float, offset: int, amplitude: float, pairs: int) -> np.ndarray:
+    """q with q . rope(k) maximal when q_pos - k_pos == offset, for k = ones on the first ``pairs``
+    rotary pairs (HF rotate_half layout: pair j is dims j and j + head_dim/2)."""
+    half = head_dim // 2
+    freqs = theta ** (-np.arange(half) * 2.0 / head_dim)
+    q = np.zeros(head_dim)
+    q[:pairs] = amplitude * np.cos(offset * freqs[:pairs])
+    q[half:half + pairs] = -amplitude * np.sin(offset * freqs[:pairs])
+    return q
+
+
+def _copy_head(attn, *, hidden: int, head_dim: int, theta: float, offset: int, code_dims: int, gain: float,
+               amplitude: float = 90.0, pairs: int = 3) -> None:
+    """Make ``attn`` (a Qwen3 attention with 2 kv heads) attend from every position to the one
+    ``offset`` tokens earlier (queries/keys read only the constant hidden dim 0; RoPE does the
+    rest) and add ``gain`` x that token's code dims (1..code_dims) back onto the same dims."""
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            proj.weight.zero_()
+        attn.q_proj.weight[:, 0] = 1.0
+        attn.k_proj.weight[:, 0] = 1.0
+        attn.q_norm.weight.copy_(torch.tensor(_rope_peak_query(head_dim, theta, offset, amplitude, pairs),
+                                              dtype=torch.float32))
+        k = torch.zeros(head_dim)
+        k[:pairs] = 1.0
+        attn.k_norm.weight.copy_(k)
+        kv_dims = attn.v_proj.weight.shape[0]
+        assert kv_dims >= code_dims
+        for i in range(code_dims):
+            attn.v_proj.weight[i, 1 + i] = 1.0
+        group = attn.q_proj.weight.shape[0] // kv_dims    # q heads per kv head
+        for i in range(code_dims):
+            kv_head, within = divmod(i, head_dim)
+            q_head = kv_head * group                       # first q head reading that kv head
+            attn.o_proj.weight[1 + i, q_head * head_dim + within] = gain
+
+
+COPY_THETA = 1e4   # rope theta of the copy construction (its high frequencies make the offset peak sharp)
+CODE_DIMS = 32     # hidden dims 1..32 carry a token's identity code
+
+
+def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, head_noise: float = 0.45,
+                     gain: float = 1.0, mask_token_id: int = 127):
+    """A Qwen3 target (V 128, H 64, 4 layers, 4/2 heads, head_dim 16, rope 1e4) that continues a
+    prompt (of at least ``period`` tokens) by copying the token ``period`` positions back, with
+    deterministic content-dependent deviations from LM-head noise ``head_noise``.
+
+    Hidden dim 0 is a constant (every embedding has 1 there) that the copy head's queries and keys
+    read, so its attention pattern depends only on relative position (RoPE); dims 1..32 hold a
+    random unit code per token that the copy head moves and the LM head reads. The mask token has
+    no code. Every other weight is small random noise, so every weight still matters."""
+    vocab, hidden, head_dim = 128, 64, 16
+    target = make_target(seed=seed, std=noise, vocab=vocab, hidden=hidden, layers=4, heads=4, kv_heads=2,
+                         head_dim=head_dim, rope_theta=COPY_THETA)
+    rng = np.random.default_rng(seed + 1000)
+    codes = rng.standard_normal((vocab, CODE_DIMS))
+    codes /= np.linalg.norm(codes, axis=1, keepdims=True)
+    with torch.no_grad():
+        embed = target.get_input_embeddings().weight
+        embed.mul_(noise)
+        embed[:, 0] = 1.0
+        embed[:, 1:1 + CODE_DIMS] = torch.tensor(codes, dtype=torch.float32)
+        embed[mask_token_id, 1:1 + CODE_DIMS] = 0.0
+        _copy_head(target.model.layers[1].self_attn, hidden=hidden, head_dim=head_dim, theta=COPY_THETA,
+                   offset=period - 1, code_dims=CODE_DIMS, gain=gain)
+        head = output_head_weight(target)
+        head.copy_(torch.tensor(head_noise * rng.standard_normal((vocab, hidden)), dtype=torch.float32))
+        head[:, 1:1 + CODE_DIMS] += torch.tensor(codes, dtype=torch.float32)
+        head[:, 0] = 0.0
+    return target
+
+
+def make_copy_draft(target, *, period: int = 6, seed: int = 100, noise: float = 0.02, gain: float = 1.0,
+                    **draft_kwargs):
+    """A z-lab draft for ``make_copy_target`` that copies the same way from the context features
+    (``fc`` passes the first tap, layer 0's output, through; draft layer 0 attends ``period``
+    back), so it is right about the next ``period`` tokens until the target deviates: varied
+    acceptance lengths, mean > 2, varied tokens. Extra kwargs go to ``make_zlab_draft``."""
+    kwargs = dict(layers=2, block_size=16, target_layer_ids=(0, 1), heads=4, kv_heads=2, rope_theta=COPY_THETA,
+                  mask_token_id=127, seed=seed, std=noise)
+    kwargs.update(draft_kwargs)
+    draft = make_zlab_draft(target, **kwargs)
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        fc = draft.fc.weight
+        fc.mul_(0.1)
+        fc[:, :hidden] += torch.eye(hidden)
+        _copy_head(draft.layers[0].self_attn, hidden=hidden, head_dim=draft.config.head_dim,
+                   theta=draft.config.rope_parameters["rope_theta"], offset=period, code_dims=CODE_DIMS, gain=gain)
+    return draft

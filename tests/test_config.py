@@ -1,0 +1,245 @@
+"""Config parsing: HF Qwen3 config.json variants, z-lab and speculators draft configs, and every
+ConfigError (each names the offending field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dflash_jax.config import (ConfigError, DraftConfig, ModelConfig, build_target_layer_ids, load_draft_config,
+                               load_target_config)
+
+
+def qwen3_raw(layers: int = 2, **overrides) -> dict:
+    """A config.json as transformers 5 writes it for a tiny Qwen3."""
+    from transformers import Qwen3Config
+
+    raw = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+    raw.update(overrides)
+    return raw
+
+
+def zlab_raw(**overrides) -> dict:
+    """A z-lab draft config shaped like z-lab/Qwen3-8B-DFlash-b16's."""
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+           "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+           "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "num_target_layers": 36, "rms_norm_eps": 1e-6,
+           "rope_theta": 1000000, "vocab_size": 151936, "max_position_embeddings": 40960,
+           "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None}
+    raw.update(overrides)
+    return raw
+
+
+def speculators_raw(**overrides) -> dict:
+    raw = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+           "transformer_layer_config": qwen3_raw(layers=1), "block_size": 8, "mask_token_id": 63,
+           "aux_hidden_state_layer_ids": [1, 3], "draft_vocab_size": 64}
+    raw.update(overrides)
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Target configs
+
+
+def test_transformers_config_json_parses():
+    config = ModelConfig.from_hf(qwen3_raw())
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (64, 32, 64)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert config.rope_theta == 10000.0 and config.rms_norm_eps == 1e-6
+    assert config.layer_types == ("full_attention", "full_attention") and config.sliding_window is None
+    assert config.window(0) is None and config.tie_word_embeddings is False
+    assert config.eos_token_ids == ()
+
+
+def test_rope_theta_top_level_or_in_rope_parameters():
+    nested = qwen3_raw(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ModelConfig.from_hf(nested).rope_theta == 5e5
+    legacy = qwen3_raw(rope_theta=123456.0)
+    del legacy["rope_parameters"]
+    assert ModelConfig.from_hf(legacy).rope_theta == 123456.0
+    scaling = qwen3_raw(rope_theta=7.0, rope_scaling=None)
+    del scaling["rope_parameters"]
+    assert ModelConfig.from_hf(scaling).rope_theta == 7.0
+
+
+def test_head_dim_and_kv_heads_derived_when_absent():
+    raw = qwen3_raw(head_dim=None)
+    del raw["head_dim"]
+    del raw["num_key_value_heads"]
+    config = ModelConfig.from_hf(raw)
+    assert config.head_dim == 32 // 4 and config.num_kv_heads == 4
+
+
+def test_tied_layer_types_and_eos_forms():
+    raw = qwen3_raw(tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=128, use_sliding_window=True, eos_token_id=[5, 7])
+    config = ModelConfig.from_hf(raw)
+    assert config.tie_word_embeddings
+    assert config.layer_types == ("sliding_attention", "full_attention")
+    assert config.window(0) == 128 and config.window(1) is None
+    assert config.eos_token_ids == (5, 7)
+    assert ModelConfig.from_hf(qwen3_raw(eos_token_id=3)).eos_token_ids == (3,)
+
+
+def test_configs_are_frozen_and_hashable():
+    a, b = ModelConfig.from_hf(qwen3_raw()), ModelConfig.from_hf(qwen3_raw())
+    assert a == b and hash(a) == hash(b)   # static jit arguments: equal configs share compiles
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.hidden_size = 8
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads"])
+def test_missing_field_is_named(field):
+    raw = qwen3_raw()
+    del raw[field]
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(raw)
+
+
+def test_missing_rope_theta_is_named():
+    raw = qwen3_raw()
+    del raw["rope_parameters"]
+    with pytest.raises(ConfigError, match="rope_theta"):
+        ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic", "llama3"])
+def test_unsupported_rope_type(where, rope_type):
+    raw = qwen3_raw(rope_theta=1e6)
+    del raw["rope_parameters"]
+    raw[where] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e6}
+    with pytest.raises(ConfigError, match=rope_type):
+        ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(layer_types=["full_attention"]), "layer_types"),
+    (dict(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=None), "sliding_window"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+], ids=["bias", "act", "layer-count", "layer-kind", "no-window", "kv-heads"])
+def test_unsupported_target_settings(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(qwen3_raw(**overrides))
+
+
+def test_load_target_config_checks_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_raw(model_type="llama")))
+    with pytest.raises(ConfigError, match="llama"):
+        load_target_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_raw()))
+    assert load_target_config(tmp_path).hidden_size == 32
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_target_config(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft configs
+
+
+def test_build_target_layer_ids_matches_reference():
+    import dflash.model as dm
+
+    assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)      # Qwen3-8B, 5 draft layers
+    for layers in range(4, 64):
+        for draft_layers in range(1, 9):
+            assert list(build_target_layer_ids(layers, draft_layers)) == dm.build_target_layer_ids(layers, draft_layers)
+
+
+def test_zlab_draft_config():
+    config = DraftConfig.from_hf(zlab_raw())
+    assert config.source_format == "z-lab"
+    assert (config.block_size, config.mask_token_id) == (16, 151669)
+    assert config.target_layer_ids == (1, 9, 17, 25, 33) and config.num_target_layers == 36
+    assert config.model.num_layers == 5 and config.model.head_dim == 128
+    assert (config.input_embedding_scale, config.output_multiplier, config.final_logit_softcapping) == (1.0, 1.0, None)
+    assert config.causal_layers == (False,) * 5 and config.draft_vocab_size is None
+
+
+def test_zlab_draft_options_and_defaults():
+    raw = zlab_raw(num_hidden_layers=2, num_target_layers=36, block_size=None,
+                   layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True,
+                   dflash_config={"mask_token_id": 5, "block_size": 8, "input_embedding_scale": 2.0,
+                                  "output_multiplier": 0.5, "final_logit_softcapping": 30.0})
+    del raw["block_size"]
+    config = DraftConfig.from_hf(raw)
+    assert config.block_size == 8                                    # dflash_config wins / supplies it
+    assert config.target_layer_ids == build_target_layer_ids(36, 2)  # ids absent -> build rule
+    assert (config.input_embedding_scale, config.output_multiplier, config.final_logit_softcapping) == (2.0, 0.5, 30.0)
+    assert config.causal_layers == (True, False)                     # sliding layers causal by default
+    assert DraftConfig.from_hf({**raw, "is_causal": False}).causal_layers == (False, False)
+    assert DraftConfig.from_hf({**raw, "is_causal": True}).causal_layers == (True, True)
+    zero_cap = {**raw, "dflash_config": {**raw["dflash_config"], "final_logit_softcapping": 0}}
+    assert DraftConfig.from_hf(zero_cap).final_logit_softcapping is None
+    no_block = zlab_raw()
+    del no_block["block_size"]
+    assert DraftConfig.from_hf(no_block).block_size == 16            # the reference's default
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+    (lambda raw: (raw["dflash_config"].pop("target_layer_ids"), raw.pop("num_target_layers")), "target_layer_ids"),
+    (lambda raw: (raw.pop("dflash_config"), raw.update(architectures=["Qwen3ForCausalLM"])), "DFlash"),
+    (lambda raw: raw.pop("hidden_size"), "hidden_size"),
+], ids=["mask", "layer-ids", "not-dflash", "hidden"])
+def test_zlab_draft_errors(edit, message):
+    raw = zlab_raw()
+    edit(raw)
+    with pytest.raises(ConfigError, match=message):
+        DraftConfig.from_hf(raw)
+
+
+def test_speculators_draft_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(speculators_raw()))
+    config = load_draft_config(tmp_path)
+    assert config.source_format == "speculators"
+    assert config.target_layer_ids == (0, 2)                          # aux ids are z-lab ids + 1
+    assert (config.block_size, config.mask_token_id) == (8, 63)
+    assert config.draft_vocab_size is None                            # == vocab: not reduced
+    assert config.model.num_layers == 1
+    reduced = DraftConfig.from_hf(speculators_raw(draft_vocab_size=20))
+    assert reduced.draft_vocab_size == 20
+    sliding = speculators_raw(transformer_layer_config=qwen3_raw(
+        layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+        use_sliding_window=True))
+    assert DraftConfig.from_hf(sliding).causal_layers == (True, False)
+    assert DraftConfig.from_hf({**sliding, "sliding_window_non_causal": True}).causal_layers == (False, False)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw.update(speculators_model_type="eagle3"), "eagle3"),
+    (lambda raw: raw.pop("transformer_layer_config"), "transformer_layer_config"),
+    (lambda raw: raw.pop("mask_token_id"), "mask_token_id"),
+    (lambda raw: raw.pop("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids"),
+    (lambda raw: raw.pop("block_size"), "block_size"),
+], ids=["type", "layers", "mask", "aux", "block"])
+def test_speculators_errors(edit, message):
+    raw = speculators_raw()
+    edit(raw)
+    with pytest.raises(ConfigError, match=message):
+        DraftConfig.from_hf(raw)
+
+
+def test_check_target_errors():
+    target = ModelConfig.from_hf(qwen3_raw(layers=4))
+    good = DraftConfig.from_hf(speculators_raw())
+    good.check_target(target)
+    cases = [
+        (dataclasses.replace(good, model=dataclasses.replace(good.model, hidden_size=48)), "hidden_size"),
+        (dataclasses.replace(good, model=dataclasses.replace(good.model, vocab_size=65)), "vocab_size"),
+        (dataclasses.replace(good, target_layer_ids=(0, 4)), "target_layer_ids"),
+        (dataclasses.replace(good, target_layer_ids=(-1, 2)), "target_layer_ids"),
+        (dataclasses.replace(good, mask_token_id=64), "mask_token_id"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            bad.check_target(target)

@@ -1,0 +1,322 @@
+"""Sampling: the temperature/top-k/top-p transform against the z-lab reference, the rejection
+sampler on hand-made distributions, and exactness in distribution of speculative sampling.
+
+Exactness: a tiny target (vocabulary 16) and a tiny draft that disagrees with it; thousands of
+copies of one prompt run as one batch (each row its own random stream), and the joint
+distribution of the first three generated tokens plus the marginal of the fourth must match the
+target's exact sampling distribution (enumerated with transformers + the reference transform)
+under a chi-square test. Negative controls (accept every draft; sample at another temperature)
+must be rejected, so the test has power.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from builders import make_target, make_zlab_draft, save_draft, save_target
+from dflash_jax.generate import generate
+from dflash_jax.models import load_draft, load_target
+from dflash_jax.sampling import (SamplingConfig, accept_greedy, accept_sampling, choose, sample_probs,
+                                 sampling_probs)
+
+
+def _reference_probs(logits: np.ndarray, temperature, top_p, top_k) -> np.ndarray:
+    import dflash.model as dm
+
+    return dm._sampling_probs(torch.from_numpy(logits), temperature, top_p, top_k).numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# The transform
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_sampling_probs_matches_reference(temperature):
+    vocab = 50
+    logits = (3.0 * np.random.default_rng(int(temperature * 10)).standard_normal((4, 7, vocab))).astype(np.float32)
+    for top_k, top_p in itertools.product([0, 1, 3, vocab - 1, vocab, vocab + 5], [1.0, 0.95, 0.5, 0.01]):
+        config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        ours = np.asarray(sampling_probs(jnp.asarray(logits), config))
+        ref = _reference_probs(logits, temperature, top_p, top_k)
+        np.testing.assert_allclose(ours, ref, atol=1e-6, rtol=1e-5, err_msg=f"top_k={top_k} top_p={top_p}")
+        np.testing.assert_allclose(ours.sum(-1), 1.0, atol=1e-5)
+        support = (ours > 0).sum(-1)
+        if 0 < top_k < vocab:
+            assert (support <= top_k).all()
+        if top_p == 0.01:
+            assert (support == 1).all()
+
+
+def test_sampling_config_validation_and_greedy():
+    for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad)
+    assert SamplingConfig().greedy and not SamplingConfig(temperature=0.5).greedy
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 11)), jnp.float32)
+    picked = choose(jax.random.key(0), logits, SamplingConfig())
+    assert (np.asarray(picked) == np.argmax(np.asarray(logits), -1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance rules on hand-made distributions
+
+
+def test_accept_greedy_prefix_and_bonus():
+    vocab = 6
+    posterior = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [5, 0, 0, 0], [1, 2, 3, 4]])   # argmax per position
+    logits = jax.nn.one_hot(jnp.asarray(posterior), vocab) * 3.0
+    drafts = jnp.asarray([[1, 2, 0], [1, 2, 3], [4, 0, 0], [1, 2, 3]])
+    block_lens = jnp.asarray([4, 4, 4, 3])   # the last row may only use 2 drafts
+    accepted, bonus = accept_greedy(drafts, logits, block_lens)
+    assert np.asarray(accepted).tolist() == [2, 3, 0, 2]
+    assert np.asarray(bonus).tolist() == [3, 4, 5, 3]
+
+
+def _gof(observed, probs) -> float:
+    """Chi-square p-value of counts against probabilities (renormalized in float64)."""
+    observed = np.asarray(observed, np.float64)
+    probs = np.asarray(probs, np.float64)
+    return float(stats.chisquare(observed, probs / probs.sum() * observed.sum()).pvalue)
+
+
+def _run_accept(p, q, drafts, block_lens, trials=4000, seed=0):
+    keys = jax.random.split(jax.random.key(seed), trials)
+    fn = jax.jit(jax.vmap(lambda k: accept_sampling(k, drafts, q, p, block_lens)))
+    accepted, bonus = fn(keys)
+    return np.asarray(accepted), np.asarray(bonus)
+
+
+def test_accept_sampling_equal_distributions_always_accept():
+    vocab, block = 8, 4
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(vocab), size=(3, block)).astype(np.float32)
+    q = p[:, :-1]
+    drafts = jnp.asarray(np.stack([[rng.choice(vocab, p=q[b, i] / q[b, i].sum()) for i in range(block - 1)]
+                                   for b in range(3)]))
+    block_lens = jnp.asarray([4, 3, 2])
+    accepted, bonus = _run_accept(jnp.asarray(p), jnp.asarray(q), drafts, block_lens)
+    assert (accepted == np.array([3, 2, 1])[None]).all()
+    # bonus drawn from p at position block_len - 1
+    for b, pos in enumerate([3, 2, 1]):
+        observed = np.bincount(bonus[:, b], minlength=vocab)
+        assert _gof(observed, p[b, pos]) > 1e-3
+
+
+def test_accept_sampling_disjoint_support_samples_residual():
+    vocab = 6
+    q = np.zeros((1, 2, vocab), np.float32)
+    q[..., 0], q[..., 1] = 0.7, 0.3
+    p = np.zeros((1, 3, vocab), np.float32)
+    p[0, :, 2], p[0, :, 3], p[0, :, 4] = 0.5, 0.3, 0.2
+    accepted, bonus = _run_accept(jnp.asarray(p), jnp.asarray(q), jnp.asarray([[0, 1]]), jnp.asarray([3]))
+    assert (accepted == 0).all()
+    assert set(np.unique(bonus)) <= {2, 3, 4}
+    observed = np.bincount(bonus[:, 0], minlength=vocab)[2:5]
+    assert _gof(observed, [0.5, 0.3, 0.2]) > 1e-3
+
+
+def test_accept_sampling_partial_overlap_is_exact():
+    """p = [.5, .5], q = [1, 0], draft 0: accept w.p. .5, else the residual gives token 1 -> the
+    first emitted token is distributed as p, and the second (after an acceptance) as p[1]."""
+    vocab = 4
+    q = np.zeros((1, 1, vocab), np.float32)
+    q[0, 0, 0] = 1.0
+    p = np.zeros((1, 2, vocab), np.float32)
+    p[0, 0, :2] = 0.5
+    p[0, 1, 2:] = [0.25, 0.75]
+    accepted, bonus = _run_accept(jnp.asarray(p), jnp.asarray(q), jnp.asarray([[0]]), jnp.asarray([2]))
+    rate = accepted.mean()
+    assert abs(rate - 0.5) < 4 * np.sqrt(0.25 / len(accepted))
+    assert (bonus[accepted[:, 0] == 0, 0] == 1).all()           # rejected: residual is token 1 only
+    after = bonus[accepted[:, 0] == 1, 0]                         # accepted: bonus from p[1]
+    assert set(np.unique(after)) <= {2, 3}
+    assert _gof(np.bincount(after, minlength=vocab)[2:], [0.25, 0.75]) > 1e-3
+
+
+def test_sample_probs_never_picks_zero_probability():
+    probs = jnp.asarray([[0.0, 0.2, 0.0, 0.8]] * 4096, jnp.float32)
+    picked = np.asarray(sample_probs(jax.random.key(3), probs))
+    assert set(np.unique(picked)) == {1, 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness in distribution of speculative sampling
+
+VOCAB = 16
+PROMPT = [2, 7, 1, 8, 2]
+NEW = 4                    # t1 from prefill, t2..t4 from the first speculative step (block 4)
+SAMPLES = 8192
+
+
+TINY = dict(target_seed=5, draft_seed=4, prior=2.0, context=0.2)   # first draft accepted ~35-60%
+
+
+def tiny_models(target_seed, draft_seed, prior, context):
+    """Tiny target (V 16, 2 layers) and 1-layer block-4 draft. Target and draft share a "unigram
+    prior" (a constant hidden dim that only the LM head's column ``prior`` reads) on top of
+    context-dependent logits scaled by ``context``, so drafts are accepted part of the time:
+    both the accept path and the residual path carry weight in the tested distribution."""
+    hf_target = make_target(seed=target_seed, std=0.35, embed_std=1.0, vocab=VOCAB, hidden=32, layers=2, heads=4,
+                            kv_heads=2, head_dim=8, rope_theta=1e4)
+    hf_draft = make_zlab_draft(hf_target, layers=1, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=(0, 1),
+                               heads=4, kv_heads=2, head_dim=8, seed=draft_seed, std=0.35)
+    with torch.no_grad():
+        hf_target.model.embed_tokens.weight[:, 0] = 2.0
+        for layer in hf_target.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        head = hf_target.lm_head.weight
+        head[:, 1:] *= context
+        head[:, 0] = torch.tensor(prior * np.random.default_rng(target_seed + 2).standard_normal(VOCAB),
+                                  dtype=torch.float32)
+    return hf_target, hf_draft
+
+
+def target_logits_after(hf_target, prompt):
+    """Target logits [V^(NEW-1), NEW, V] for the prompt followed by every prefix of NEW-1 tokens."""
+    prefixes = np.array(list(itertools.product(range(VOCAB), repeat=NEW - 1)))
+    ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+    with torch.no_grad():
+        logits = hf_target(torch.from_numpy(ids)).logits[:, len(prompt) - 1:].numpy()
+    return prefixes, logits
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_sampling")
+    hf_target, hf_draft = tiny_models(**TINY)
+    target = load_target(save_target(hf_target, root / "target"), "float32")
+    draft = load_draft(save_draft(hf_draft, root / "draft"), target, "float32")
+    prefixes, logits = target_logits_after(hf_target, PROMPT)
+    return target, draft, prefixes, logits, hf_target, hf_draft
+
+
+def _exact(logits, prefixes, temperature, top_p, top_k):
+    """Exact joint P(t1, t2, t3) [V, V, V] and marginal P(t4) [V] of target sampling."""
+    probs = _reference_probs(logits, temperature, top_p, top_k)                         # [V^3, NEW, V]
+    index = prefixes
+    joint3 = probs[0, 0][index[:, 0]] * probs[:, 1][np.arange(len(index)), index[:, 1]] \
+        * probs[:, 2][np.arange(len(index)), index[:, 2]]                              # P(t1, t2, t3)
+    t4 = (joint3[:, None] * probs[:, 3]).sum(0)
+    # validity: in every reachable context the top-p cut is not within float noise of the
+    # threshold (else our logits, ~1e-6 off HF's, could legitimately keep a different token set)
+    if top_p < 1.0:
+        ordered = -np.sort(-_reference_probs(logits, temperature, 1.0, top_k), axis=-1)
+        margin = np.abs(np.cumsum(ordered, -1) - ordered - top_p).min(-1)             # [V^3, NEW]
+        rows = np.arange(len(index))
+        reach = [np.ones(len(index), bool),                                             # t1: one context
+                 probs[0, 0][index[:, 0]] > 0,
+                 probs[0, 0][index[:, 0]] * probs[:, 1][rows, index[:, 1]] > 0,
+                 joint3 > 0]
+        for position in range(NEW):
+            assert margin[reach[position], position].min() > 1e-5, f"position {position}"
+    return joint3.reshape(VOCAB, VOCAB, VOCAB), t4
+
+
+def _first_draft_acceptance(tiny, config) -> float:
+    """Exact probability that the first step accepts its first draft token: the mean over t1 of
+    sum_x min(p(x), q(x)), with q from the reference draft module and the reference transform."""
+    import dflash.model as dm
+
+    _, _, prefixes, logits, hf_target, hf_draft = tiny
+    args = (config.temperature, config.top_p, config.top_k)
+    probs = _reference_probs(logits, *args)
+    with torch.no_grad():
+        states = hf_target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+        context = dm.extract_context_feature(states, hf_draft.target_layer_ids)
+        total = 0.0
+        for t1 in np.flatnonzero(probs[0, 0] > 0):
+            block = torch.tensor([[t1] + [hf_draft.mask_token_id] * (hf_draft.block_size - 1)])
+            hidden = hf_draft(target_hidden=context, noise_embedding=dm._raw_input_embeddings(hf_target, block),
+                              position_ids=torch.arange(len(PROMPT) + block.shape[1])[None])
+            q = _reference_probs(hf_draft.compute_logits(hidden[:, 1:2], dm._output_head(hf_target)).numpy(), *args)
+            p = probs[np.flatnonzero(prefixes[:, 0] == t1)[0], 1]
+            total += probs[0, 0, t1] * np.minimum(p, q[0, 0]).sum()
+    return float(total)
+
+
+def _chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells expected < 5 pooled into one. Samples in impossible
+    cells fail outright (an exact sampler never produces them)."""
+    observed = observed.ravel().astype(np.float64)
+    expected_probs = expected_probs.ravel().astype(np.float64)
+    impossible = expected_probs <= 1e-12
+    assert observed[impossible].sum() == 0, "sampled a token sequence of probability 0"
+    expected = expected_probs / expected_probs.sum() * observed.sum()
+    big = (expected >= 5) & ~impossible
+    small = ~big & ~impossible
+    obs = np.append(observed[big], observed[small].sum())
+    exp = np.append(expected[big], expected[small].sum())
+    if exp[-1] < 5:   # too little mass to keep the pooled cell on its own
+        obs, exp = obs[:-1], exp[:-1]
+        exp = exp * obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def _sample(tiny, sampling, *, draft=True, seed=0, accept_replay=None):
+    target, draft_model = tiny[:2]
+    out = generate(target, [PROMPT] * SAMPLES, draft=draft_model if draft else None, max_new_tokens=NEW,
+                   sampling=sampling, seed=seed, impl="reference", accept_replay=accept_replay)
+    tokens = np.array(out.tokens)
+    assert tokens.shape == (SAMPLES, NEW)
+    return tokens, out
+
+
+def _pvalues(tokens, joint3, t4):
+    counts3 = np.zeros((VOCAB,) * 3, np.int64)
+    np.add.at(counts3, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
+    return _chi2_pvalue(counts3, joint3), _chi2_pvalue(np.bincount(tokens[:, 3], minlength=VOCAB), t4)
+
+
+SAMPLING_CASES = {
+    "t1.0": SamplingConfig(temperature=1.0),
+    "t0.7": SamplingConfig(temperature=0.7),
+    "top_k3": SamplingConfig(temperature=1.0, top_k=3),
+    "top_p0.8": SamplingConfig(temperature=1.0, top_p=0.8),
+    "t0.8-top_k5-top_p0.9": SamplingConfig(temperature=0.8, top_k=5, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_speculative_sampling_is_exact_in_distribution(tiny, name):
+    config = SAMPLING_CASES[name]
+    joint3, t4 = _exact(tiny[3], tiny[2], config.temperature, config.top_p, config.top_k)
+    tokens, out = _sample(tiny, config, seed=11)
+    # rows share a prompt and one seed but not their random streams
+    assert len({tuple(row) for row in tokens}) > 50
+    # the draft is exercised: some steps accept drafts, some reject (residual sampling) ...
+    first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
+    rate = (first_step >= 2).mean()
+    assert 0.2 < rate < 0.8
+    # ... and exactly as often as the reference draft (same q, same transform) accepts its first token
+    expected = _first_draft_acceptance(tiny, config)
+    assert abs(rate - expected) < 4.5 * np.sqrt(expected * (1 - expected) / len(first_step)), (rate, expected)
+    p3, p4 = _pvalues(tokens, joint3, t4)
+    assert p3 > 1e-3 and p4 > 1e-3, f"{name}: joint(t1..t3) p={p3:.3g}, t4 p={p4:.3g}"
+
+
+def test_plain_sampling_is_exact_in_distribution(tiny):
+    config = SamplingConfig(temperature=1.0)
+    joint3, t4 = _exact(tiny[3], tiny[2], 1.0, 1.0, 0)
+    tokens, _ = _sample(tiny, config, draft=False, seed=12)
+    p3, p4 = _pvalues(tokens, joint3, t4)
+    assert p3 > 1e-3 and p4 > 1e-3, f"plain sampling: p={p3:.3g}, {p4:.3g}"
+
+
+def test_negative_controls_are_rejected(tiny):
+    """The same test must reject a sampler that is not exact: one that accepts every draft token
+    (so t2..t4 follow the draft), and one sampling at temperature 0.7 judged against 1.0."""
+    joint3, t4 = _exact(tiny[3], tiny[2], 1.0, 1.0, 0)
+    wrong_rule, _ = _sample(tiny, SamplingConfig(temperature=1.0), seed=13, accept_replay=1.0)
+    p3, p4 = _pvalues(wrong_rule, joint3, t4)
+    assert p3 < 1e-6 or p4 < 1e-6, f"accept-all not rejected: p={p3:.3g}, {p4:.3g}"
+    wrong_temperature, _ = _sample(tiny, SAMPLING_CASES["t0.7"], seed=14)
+    p3, p4 = _pvalues(wrong_temperature, joint3, t4)
+    assert p3 < 1e-6, f"temperature 0.7 vs 1.0 not rejected: p={p3:.3g}"
