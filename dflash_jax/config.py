@@ -62,8 +62,6 @@ class ModelConfig:
         for kind in self.layer_types:
             if kind not in ("full_attention", "sliding_attention"):
                 raise ConfigError(f"layer_types: unknown layer type '{kind}'")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ConfigError("layer_types has sliding_attention layers but 'sliding_window' is not set")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_kv_heads}")
@@ -82,9 +80,13 @@ class ModelConfig:
         hidden = int(_require(raw, "hidden_size", where))
         heads = int(_require(raw, "num_attention_heads", where))
         layers = int(_require(raw, "num_hidden_layers", where))
-        layer_types = tuple(raw.get("layer_types") or ())
-        if raw.get("use_sliding_window") is False and "layer_types" not in raw:
-            layer_types = ()
+        # transformers' Qwen3Config: the window exists only with use_sliding_window; without
+        # explicit layer_types, layers from max_window_layers on slide.
+        use_window = bool(raw.get("use_sliding_window", False))
+        window = int(raw.get("sliding_window") or 4096) if use_window else None
+        layer_types = tuple(raw.get("layer_types") or (
+            "sliding_attention" if window is not None and i >= int(raw.get("max_window_layers", 28))
+            else "full_attention" for i in range(layers)))
         return cls(
             vocab_size=int(_require(raw, "vocab_size", where)),
             hidden_size=hidden,
@@ -97,7 +99,7 @@ class ModelConfig:
             rope_theta=_rope_theta(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
-            sliding_window=raw.get("sliding_window"),
+            sliding_window=window,
             layer_types=layer_types,
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
         )

@@ -124,9 +124,8 @@ def test_unsupported_rope_type(where, rope_type):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(layer_types=["full_attention"]), "layer_types"),
     (dict(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
-    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=None), "sliding_window"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
-], ids=["bias", "act", "layer-count", "layer-kind", "no-window", "kv-heads"])
+], ids=["bias", "act", "layer-count", "layer-kind", "kv-heads"])
 def test_unsupported_target_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(qwen3_raw(**overrides))
@@ -243,3 +242,23 @@ def test_check_target_errors():
     for bad, message in cases:
         with pytest.raises(ConfigError, match=message):
             bad.check_target(target)
+
+
+def test_sliding_window_follows_transformers_semantics():
+    """use_sliding_window gates the window; without layer_types, layers >= max_window_layers slide."""
+    from transformers import Qwen3Config
+
+    from dflash_jax.config import ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    for extra in ({"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 2},
+                  {"use_sliding_window": False, "sliding_window": 7},
+                  {"use_sliding_window": False, "sliding_window": 7,
+                   "layer_types": ["sliding_attention", "full_attention"] * 2}):
+        hf = Qwen3Config(**base, **extra)
+        ours = ModelConfig.from_hf(hf.to_dict())
+        assert list(ours.layer_types) == list(hf.layer_types)
+        assert ours.sliding_window == hf.sliding_window
+        assert [ours.window(i) for i in range(4)] == [
+            hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
