@@ -15,19 +15,13 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_jax import checkpoint
-from dflash_jax.config import read_config_json
+from dflash_jax.config import is_draft_config, read_config_json
 from dflash_jax.models import DTYPES
 
 # Files copied next to the converted weights when the source has them.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
               "generation_config.json")
-
-
-def is_draft_config(raw: dict) -> bool:
-    """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
-    return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
-            or "DFlashDraftModel" in (raw.get("architectures") or []))
 
 
 @contextlib.contextmanager

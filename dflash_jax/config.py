@@ -113,6 +113,12 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
+def is_draft_config(raw: dict[str, Any]) -> bool:
+    """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
+    return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
+            or "DFlashDraftModel" in (raw.get("architectures") or []))
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """A DFlash draft: its Qwen3 layer stack plus how it reads the target.
@@ -148,7 +154,7 @@ class DraftConfig:
     def from_hf(cls, raw: dict[str, Any], where: str = "draft config.json") -> "DraftConfig":
         if raw.get("speculators_model_type") is not None:
             return cls._from_speculators(raw, where)
-        if "DFlashDraftModel" not in (raw.get("architectures") or []) and "dflash_config" not in raw:
+        if not is_draft_config(raw):
             raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
                               "and there is no dflash_config or speculators_model_type)")
         dflash = raw.get("dflash_config") or {}
