@@ -176,18 +176,16 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     produced = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, produced)
     produced = jnp.where(active, produced, 0)
 
+    # Writes at and past num_generated / steps land in scratch slots: finished rows need no mask.
     tokens = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
         state.tokens, emitted, state.num_generated)
-    tokens = jnp.where(active[:, None], tokens, state.tokens)
     num_generated = state.num_generated + produced
     if config.draft is not None:
         positions = start[:, None] + slots
         cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
     cache = cache.replace(lengths=start + produced)
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
-    step_slot = jnp.minimum(state.steps, state.accept_lengths.shape[1] - 1)
-    accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), step_slot].set(
-        jnp.where(active, produced, state.accept_lengths[jnp.arange(start.shape[0]), step_slot]))
+    accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), state.steps].set(produced, mode="drop")
     return state.replace(
         tokens=tokens, num_generated=num_generated, last_token=jnp.where(active, last, state.last_token),
         done=state.done | hit_stop | (num_generated >= state.max_new_tokens), cache=cache,
