@@ -310,19 +310,25 @@ def scaled_draft(spec_pair, tmp_path_factory):
                            "final_logit_softcapping": 2.0})
 
 
+def _assert_matches_reference(spec_pair, hf_draft, draft):
+    """Tokens and per-step acceptance lengths equal dflash_generate's for every prompt; short
+    max_new_tokens shorten every block of those rows (the draft sees only the real ones)."""
+    prompts = _prompts(spec_pair.target.config.vocab_size)
+    max_new = [MAX_NEW, 12, 9, 15]
+    out = generate(spec_pair.target, prompts, draft=draft, max_new_tokens=max_new, impl="reference")
+    for b, prompt in enumerate(prompts):
+        ref_tokens, ref_accept = reference(hf_draft, spec_pair.hf_target, prompt, max_new[b])
+        assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept, f"sequence {b}"
+    return out
+
+
 def test_sliding_window_draft_internals_and_parity(spec_pair, sliding_draft):
     hf_draft, draft = sliding_draft
     assert draft.config.model.layer_types == ("full_attention", "sliding_attention")
     assert draft.config.model.sliding_window == 3
     assert draft.config.causal_layers == (False, True)   # the reference's default for sliding layers
     _check_draft_internals(spec_pair.hf_target, hf_draft, spec_pair.target, draft)
-    prompts = _prompts(spec_pair.target.config.vocab_size)
-    # short max_new_tokens shorten every block of those rows (the draft sees only the real ones)
-    max_new = [MAX_NEW, 12, 9, 15]
-    out = generate(spec_pair.target, prompts, draft=draft, max_new_tokens=max_new, impl="reference")
-    for b, prompt in enumerate(prompts):
-        ref_tokens, ref_accept = reference(hf_draft, spec_pair.hf_target, prompt, max_new[b])
-        assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept, f"sequence {b}"
+    out = _assert_matches_reference(spec_pair, hf_draft, draft)
     assert max(n for seq in out.stats.accept_lengths for n in seq) > 1
 
 
@@ -333,13 +339,7 @@ def test_scale_options_draft_internals_and_parity(spec_pair, scaled_draft):
     refs = _check_draft_internals(spec_pair.hf_target, hf_draft, spec_pair.target, draft)
     capped = np.abs(np.concatenate([r[3] for r in refs]))
     assert capped.max() <= 2.0 and capped.max() > 1.5   # the softcap is really in play
-    prompts = _prompts(spec_pair.target.config.vocab_size)
-    # short max_new_tokens shorten every block of those rows (the draft sees only the real ones)
-    max_new = [MAX_NEW, 12, 9, 15]
-    out = generate(spec_pair.target, prompts, draft=draft, max_new_tokens=max_new, impl="reference")
-    for b, prompt in enumerate(prompts):
-        ref_tokens, ref_accept = reference(hf_draft, spec_pair.hf_target, prompt, max_new[b])
-        assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept, f"sequence {b}"
+    out = _assert_matches_reference(spec_pair, hf_draft, draft)
     assert np.mean([n for seq in out.stats.accept_lengths for n in seq]) > 2.0
 
 
