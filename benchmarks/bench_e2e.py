@@ -60,25 +60,27 @@ class Roofline:
         self.target_kv_token = per_token(tc) * tc.num_layers
         self.draft_kv_token = per_token(dc) * dc.num_layers
 
-    def floor(self, weight_bytes, kv_bytes, flops) -> float:
+    def floor(self, weight_bytes, kv_bytes, tokens) -> float:
+        """Bytes over bandwidth, or matmul FLOPs (2 per bf16 parameter per token) over the rate."""
+        flops = 2 * (weight_bytes / 2) * tokens
         return max((weight_bytes + kv_bytes) / self.bw, flops / self.rate)
 
     def decode(self, batch, context):
         return self.floor(self.target_weights, batch * context * self.target_kv_token,
-                          2 * self.target_weights / 2 * batch)
+                          batch)
 
     def verify(self, batch, context, block):
         return self.floor(self.target_weights, batch * context * self.target_kv_token,
-                          2 * self.target_weights / 2 * batch * block)
+                          batch * block)
 
     def draft(self, batch, context, block):
         return self.floor(self.draft_weights, batch * context * self.draft_kv_token,
-                          2 * self.draft_weights / 2 * batch * block)
+                          batch * block)
 
     def dflash_step(self, batch, context, block):
         return self.floor(self.target_weights + self.draft_weights,
                           batch * context * (self.target_kv_token + self.draft_kv_token),
-                          2 * (self.target_weights + self.draft_weights) / 2 * batch * block)
+                          batch * block)
 
 
 def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, impl):
