@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -39,6 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, BLOCK = 32, 8, 128, 16, 16
 MAX_CTX = 32768
@@ -82,38 +86,6 @@ def time_per_call(fn, static: dict, x, rest, nbytes: float) -> tuple[float, int]
     reps = int(min(16, max(1, math.ceil(TARGET_SECONDS / (nbytes / 2.5e12 + 3e-6) / UNROLL))))
     run = chain(fn, tuple(sorted(static.items())))
     return median_time(run, (x, jnp.int32(reps), *rest)) / (reps * UNROLL), reps * UNROLL
-
-
-def copy_bandwidth() -> dict:
-    """Device copy ceilings: XLA elementwise pass and (if present) a torch device copy, 1 GiB."""
-    n = 1 << 29  # bf16 elements: 1 GiB
-    x = jax.random.normal(jax.random.key(0), (n,), DTYPE)
-    iters = 20
-    step = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: -y, x))
-    t = median_time(step, (x,), repeats=5) / iters
-    result = {"xla_elementwise_GBps": 2 * 2 * n / t / 1e9}
-    del x
-    try:
-        import torch
-    except ImportError:
-        return result
-    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        for _ in range(iters):
-            b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / iters)
-    result["torch_copy_GBps"] = 2 * 2 * n / statistics.median(times) / 1e9
-    del a, b
-    torch.cuda.empty_cache()
-    return result
 
 
 class Cache:

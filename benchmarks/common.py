@@ -30,26 +30,49 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_ceilings(buffer_mib: int = 2048, repeats: int = 5) -> dict:
-    """Bandwidth of a plain XLA elementwise pass (bytes read + written) over a bf16 buffer, and
-    the bf16 matmul rate of a chain of square products, both timed over 10 dependent calls."""
+def copy_bandwidth(buffer_mib: int = 1024, repeats: int = 5) -> dict:
+    """Device copy ceilings in GB/s (bytes read + written) over a bf16 buffer: an XLA elementwise
+    pass and, where torch sees a GPU, torch's device-to-device copy (the higher and steadier of
+    the two on Hopper; it is the ceiling the benchmarks divide by)."""
     n = buffer_mib << 19
-    step = jax.jit(lambda y: y * 0.5 + 1.0, donate_argnums=0)
-    holder = {"x": jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)}
+    iters = 20
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    step = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: -y, x))
+    seconds = median_seconds(lambda: step(x).block_until_ready(), repeats) / iters
+    result = {"xla_elementwise_GBps": 2 * 2 * n / seconds / 1e9}
+    del x
+    try:
+        import torch
+    except ImportError:
+        return result
+    if not torch.cuda.is_available():
+        return result
+    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
 
-    def passes():
-        for _ in range(10):
-            holder["x"] = step(holder["x"])
-        holder["x"].block_until_ready()
+    def copies():
+        for _ in range(iters):
+            b.copy_(a)
+        torch.cuda.synchronize()
 
-    bandwidth = 10 * 2 * n * 2 / median_seconds(passes, repeats)
-    del holder["x"]
+    result["torch_copy_GBps"] = 2 * 2 * n / (median_seconds(copies, repeats) / iters) / 1e9
+    del a, b
+    torch.cuda.empty_cache()
+    return result
+
+
+def measure_ceilings(buffer_mib: int = 1024, repeats: int = 5) -> dict:
+    """Copy bandwidth (``copy_bandwidth``; torch's copy where present) and the bf16 matmul rate
+    of a chain of square products timed inside one jit."""
+    copies = copy_bandwidth(buffer_mib, repeats)
+    bandwidth = copies.get("torch_copy_GBps", copies["xla_elementwise_GBps"]) * 1e9
     size, chain = (8192, 10) if buffer_mib >= 1024 else (512, 10)
     a = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
     b = (jax.random.normal(jax.random.key(2), (size, size)) / size ** 0.5).astype(jnp.bfloat16)
     matmuls = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda i, y: y @ b, a))
     seconds = median_seconds(lambda: matmuls(a, b).block_until_ready(), repeats)
-    return {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": chain * 2 * size ** 3 / seconds}
+    return {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": chain * 2 * size ** 3 / seconds,
+            "copies_GBps": copies}
 
 
 # CPU smoke-test shape: same structure, minutes -> seconds.

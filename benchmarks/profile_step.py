@@ -43,7 +43,8 @@ def kernel_events(trace_dir: Path) -> list[dict]:
     return gpu
 
 
-def summarize(events: list[dict], top: int) -> dict:
+def summarize(events: list[dict], top: int, sequence_len: int) -> dict:
+    """Totals, the top kernels by time, and the first kernels in order (name, µs, gap before µs)."""
     if not events:
         return {"kernels": 0}
     busy = sum(e["dur"] for e in events)
@@ -53,8 +54,12 @@ def summarize(events: list[dict], top: int) -> dict:
     for e in events:
         by_name[e["name"][:90]] += e["dur"]
         counts[e["name"][:90]] += 1
+    ordered = sorted(events, key=lambda e: e["ts"])
+    sequence = [(e["name"][:70], e["dur"], e["ts"] - (p["ts"] + p["dur"]))
+                for p, e in zip(ordered, ordered[1:])][:sequence_len]
     return {"kernels": len(events), "busy_ms": busy / 1e3, "span_ms": span / 1e3,
-            "top": [(name, round(us / 1e3, 3), counts[name]) for name, us in by_name.most_common(top)]}
+            "top": [(name, round(us / 1e3, 3), counts[name]) for name, us in by_name.most_common(top)],
+            "sequence": sequence}
 
 
 def main():
@@ -66,6 +71,8 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--modes", default="decode,dflash")
+    parser.add_argument("--sequence", type=int, default=0, help="print this many kernels in time order")
     args = parser.parse_args()
     out = Path(args.out)
     target_config, draft_config = SHAPES[args.shape]
@@ -76,6 +83,8 @@ def main():
     prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
     report = {}
     for name, use_draft in (("decode", None), ("dflash", draft)):
+        if name not in args.modes.split(","):
+            continue
         prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * 40, chunk_steps=args.steps,
                        accept_replay=use_draft is not None, impl=args.impl)
         alpha = 0.86 if use_draft else None
@@ -86,7 +95,7 @@ def main():
         state = jax.block_until_ready(prep.chunk(state, alpha))
         wall = time.perf_counter() - start
         jax.profiler.stop_trace()
-        summary = summarize(kernel_events(trace_dir), args.top)
+        summary = summarize(kernel_events(trace_dir), args.top, args.sequence)
         summary["wall_ms_per_step"] = wall / args.steps * 1e3
         for key in ("busy_ms", "span_ms"):
             if key in summary:
@@ -99,6 +108,8 @@ def main():
               f"span {s.get('span_ms_per_step', 0):.2f}, kernels/step {s['kernels'] / args.steps:.0f}")
         for kname, ms, count in s.get("top", []):
             print(f"  {ms / args.steps:7.3f} ms/step  x{count // args.steps:<4} {kname}")
+        for kname, us, gap in s.get("sequence", []):
+            print(f"    {us:7.1f} us  gap {gap:6.1f}  {kname}")
 
 
 if __name__ == "__main__":

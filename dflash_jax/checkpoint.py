@@ -8,6 +8,7 @@ place in the params pytree; loading and exporting both read it, so the names liv
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import sys
@@ -25,25 +26,26 @@ from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init
 
 PARAMS_DIR = "params"          # orbax checkpoint inside a converted folder
 MARKER_FILE = "dflash_jax.json"
-FORMAT_VERSION = 1             # of converted folders; bump when their layout changes
+FORMAT_VERSION = 2             # of converted folders; bump when their layout changes (2: fused qkv/gate_up)
 
 
 class CheckpointError(ValueError):
     """Weights that do not match their config."""
 
 
-# HF name inside a layer -> (LayerParams field, stored transposed)
+# HF name inside a layer -> (LayerParams field, stored transposed). q/k/v and gate/up share one
+# fused field each, in this order (``_layer_columns`` gives their column ranges).
 _LAYER_TENSORS = {
     "input_layernorm.weight": ("input_norm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
+    "self_attn.q_proj.weight": ("qkv_proj", True),
+    "self_attn.k_proj.weight": ("qkv_proj", True),
+    "self_attn.v_proj.weight": ("qkv_proj", True),
     "self_attn.o_proj.weight": ("o_proj", True),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("post_attention_norm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
+    "mlp.gate_proj.weight": ("gate_up_proj", True),
+    "mlp.up_proj.weight": ("gate_up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
 }
 
@@ -63,19 +65,27 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class Slot:
     """Where one HF tensor lives in a params pytree.
 
-    ``path`` is the leaf's key path (``("layers", 3, "q_proj")``), or None for a tensor that is
+    ``path`` is the leaf's key path (``("layers", 3, "o_proj")``), or None for a tensor that is
     checked and dropped (speculators' ``t2d``, derivable from ``d2t``). ``shape`` is the HF
     ([out, in]) shape; ``transposed`` marks torch Linear weights, stored ``[in, out]`` here.
+    ``columns`` (start, stop) places a tensor inside a fused leaf (q/k/v in ``qkv_proj``).
     """
 
     path: tuple | None
     shape: tuple[int, ...]
     transposed: bool = False
+    columns: tuple[int, int] | None = None
 
 
 def _layer_slots(config: ModelConfig, prefix: str) -> dict[str, Slot]:
     shapes = _layer_shapes(config)
-    return {f"{prefix}{n}.{name}": Slot(("layers", n, field), shapes[name], transposed)
+    columns, offsets = {}, {}
+    for name, (field, transposed) in _LAYER_TENSORS.items():
+        if field in ("qkv_proj", "gate_up_proj"):
+            start = offsets.get(field, 0)
+            offsets[field] = start + shapes[name][0]
+            columns[name] = (start, offsets[field])
+    return {f"{prefix}{n}.{name}": Slot(("layers", n, field), shapes[name], transposed, columns.get(name))
             for n in range(config.num_layers) for name, (field, transposed) in _LAYER_TENSORS.items()}
 
 
@@ -111,7 +121,7 @@ def _key_path(path) -> tuple:
 
 
 def _leaves_by_path(params) -> dict[tuple, Any]:
-    """Every non-None leaf of a params pytree under its key path (``("layers", 0, "q_proj")``)."""
+    """Every non-None leaf of a params pytree under its key path (``("layers", 0, "o_proj")``)."""
     return {_key_path(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
@@ -158,9 +168,12 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
     """Stream every tensor of an HF folder into its slot: check name and shape before loading,
     transpose Linear weights, cast floats to ``dtype`` (integer maps to int32), then keep it as a
     numpy array (``host``) or a device array. Holds one source tensor at a time besides the
-    converted ones. Returns {key path: array}."""
+    converted ones (and the parts of a fused leaf until its last part arrives). Returns
+    {key path: array}."""
     where = str(directory)
     values, seen = {}, set()
+    parts_expected = collections.Counter(slot.path for slot in slots.values() if slot.columns)
+    parts = collections.defaultdict(dict)
     tensors = iter_tensors(directory)
     if progress:
         tensors = tqdm(tensors, total=_count_tensors(directory), desc=f"reading {directory.name}",
@@ -188,6 +201,11 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
         else:
             raise CheckpointError(f"{where}: tensor '{name}' has unsupported dtype {array.dtype}")
         array = np.ascontiguousarray(array.T if slot.transposed else array, dtype=target)
+        if slot.columns:
+            parts[slot.path][slot.columns] = array
+            if len(parts[slot.path]) < parts_expected[slot.path]:
+                continue
+            array = np.concatenate([part for _, part in sorted(parts.pop(slot.path).items())], axis=1)
         values[slot.path] = array if host else jax.device_put(array)
         del array  # before the next load: one source tensor at a time
     missing = sorted(set(slots) - seen)
@@ -241,6 +259,15 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:
     extra = sorted(".".join(map(str, p)) for p in set(leaves) - {slot.path for slot in slots.values()})
     if extra:
         raise CheckpointError(f"params carry leaves that this config has no tensor for: {extra}")
+    fused_width = collections.defaultdict(int)
+    for slot in slots.values():
+        if slot.columns:
+            fused_width[slot.path] = max(fused_width[slot.path], slot.columns[1])
+    for path, width in fused_width.items():
+        leaf = leaves.get(path)
+        if leaf is not None and leaf.shape[1] != width:
+            raise CheckpointError(f"params leaf '{'.'.join(map(str, path))}' has {leaf.shape[1]} columns, "
+                                  f"the config's fused tensors need {width}")
     out = []
     for name, slot in slots.items():
         if slot.path is None:
@@ -248,6 +275,8 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:
         leaf = leaves.get(slot.path)
         if leaf is None:
             raise CheckpointError(f"params lack tensor '{name}' that the config requires")
+        if slot.columns:
+            leaf = leaf[:, slice(*slot.columns)]
         shape = tuple(reversed(leaf.shape)) if slot.transposed else tuple(leaf.shape)
         if shape != slot.shape:
             raise CheckpointError(f"tensor '{name}' has shape {list(shape)} in params, "

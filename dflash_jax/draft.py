@@ -15,7 +15,7 @@ from dflash_jax import attention
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig
 from dflash_jax.params import DraftParams, TargetParams
-from dflash_jax.target import logits as target_logits, mlp, split_heads
+from dflash_jax.target import logits as target_logits, mlp, project_qkv, split_heads
 from pallas_kernels import rms_norm
 
 
@@ -32,9 +32,10 @@ def write_context(params: DraftParams, config: DraftConfig, taps: jax.Array, pos
     features = context_features(params, config, taps)
     for index, layer in enumerate(params.layers):
         slot = cache.num_target_layers + index
+        # Only k and v of the context are needed: project with the k|v columns alone.
+        k, v = jnp.split(features @ layer.qkv_proj[:, layer.q_size:], 2, axis=-1)
         k_pages, v_pages = attention.write_kv(
-            split_heads(features @ layer.k_proj, model.head_dim),
-            split_heads(features @ layer.v_proj, model.head_dim), layer.k_norm, positions,
+            split_heads(k, model.head_dim), split_heads(v, model.head_dim), layer.k_norm, positions,
             *cache.layer(slot), cache.page_table, eps=model.rms_norm_eps, theta=model.rope_theta, impl=impl)
         cache = cache.replace_layer(slot, k_pages, v_pages)
     return cache
@@ -52,12 +53,10 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
     model = config.model
     eps, theta, dim = model.rms_norm_eps, model.rope_theta, model.head_dim
     for index, layer in enumerate(params.layers):
-        h = rms_norm(x, layer.input_norm, eps)
-        q = attention.norm_rope(split_heads(h @ layer.q_proj, dim), layer.q_norm, positions,
-                                eps=eps, theta=theta, impl=impl)
-        k = attention.norm_rope(split_heads(h @ layer.k_proj, dim), layer.k_norm, positions,
-                                eps=eps, theta=theta, impl=impl)
-        out = attend(index, q, k, split_heads(h @ layer.v_proj, dim))
+        q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, dim)
+        q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
+        k = attention.norm_rope(k, layer.k_norm, positions, eps=eps, theta=theta, impl=impl)
+        out = attend(index, q, k, v)
         x = x + out.reshape(*out.shape[:2], -1) @ layer.o_proj
         x = x + mlp(rms_norm(x, layer.post_attention_norm, eps), layer)
     return rms_norm(x, params.norm, eps)

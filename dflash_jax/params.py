@@ -8,19 +8,26 @@ from flax import struct
 
 @struct.dataclass
 class LayerParams:
-    """One Qwen3 decoder layer. H hidden, Hq/Hkv heads, D head_dim, I MLP width."""
+    """One Qwen3 decoder layer. H hidden, Hq/Hkv heads, D head_dim, I MLP width.
+
+    Projections that read the same input are fused column-wise (one weight stream, one kernel
+    per decode step instead of three or two): ``qkv_proj`` holds q | k | v and ``gate_up_proj``
+    gate | up. HF keeps them as separate tensors; checkpoint.py maps each to its columns.
+    """
 
     input_norm: jax.Array            # [H]
-    q_proj: jax.Array                # [H, Hq*D]
-    k_proj: jax.Array                # [H, Hkv*D]
-    v_proj: jax.Array                # [H, Hkv*D]
+    qkv_proj: jax.Array              # [H, (Hq + 2*Hkv)*D]
     o_proj: jax.Array                # [Hq*D, H]
     q_norm: jax.Array                # [D]
     k_norm: jax.Array                # [D]
     post_attention_norm: jax.Array   # [H]
-    gate_proj: jax.Array             # [H, I]
-    up_proj: jax.Array               # [H, I]
+    gate_up_proj: jax.Array          # [H, 2*I]
     down_proj: jax.Array             # [I, H]
+
+    @property
+    def q_size(self) -> int:
+        """Hq*D: where k's columns start in ``qkv_proj`` (v's start at q_size + Hkv*D)."""
+        return self.o_proj.shape[0]
 
 
 @struct.dataclass
@@ -56,9 +63,8 @@ def cast_params(params, dtype):
 def init_layer(config, key, dtype, scale: float = 0.02) -> LayerParams:
     """Random layer (normal(0, scale) weights, unit norms): for tests and benchmarks."""
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    shapes = {"q_proj": (h, config.num_heads * d), "k_proj": (h, config.num_kv_heads * d),
-              "v_proj": (h, config.num_kv_heads * d), "o_proj": (config.num_heads * d, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"qkv_proj": (h, (config.num_heads + 2 * config.num_kv_heads) * d),
+              "o_proj": (config.num_heads * d, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
     keys = jax.random.split(key, len(shapes))
     weights = {name: (scale * jax.random.normal(k, shape, jax.numpy.float32)).astype(dtype)
                for k, (name, shape) in zip(keys, shapes.items())}

@@ -17,8 +17,17 @@ from pallas_kernels import rms_norm
 
 
 def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ layer.gate_proj) * (x @ layer.up_proj)) @ layer.down_proj
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one fused projection."""
+    gate, up = jnp.split(x @ layer.gate_up_proj, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ layer.down_proj
+
+
+def project_qkv(h: jax.Array, layer: LayerParams, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v [..., heads, head_dim] of normed hidden states h [..., H] (one fused projection)."""
+    q_size = layer.q_size
+    kv_size = (layer.qkv_proj.shape[1] - q_size) // 2
+    q, k, v = jnp.split(h @ layer.qkv_proj, [q_size, q_size + kv_size], axis=-1)
+    return split_heads(q, head_dim), split_heads(k, head_dim), split_heads(v, head_dim)
 
 
 def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
@@ -29,12 +38,10 @@ def target_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, index: i
                  cache: PagedKVCache, impl: str) -> tuple[jax.Array, PagedKVCache]:
     """One decoder layer on x [B, T, H] at ``positions`` [B, T] (contiguous per sequence)."""
     eps, theta, dim = config.rms_norm_eps, config.rope_theta, config.head_dim
-    h = rms_norm(x, layer.input_norm, eps)
-    q = attention.norm_rope(split_heads(h @ layer.q_proj, dim), layer.q_norm, positions,
-                            eps=eps, theta=theta, impl=impl)
-    k_pages, v_pages = attention.write_kv(
-        split_heads(h @ layer.k_proj, dim), split_heads(h @ layer.v_proj, dim), layer.k_norm, positions,
-        *cache.layer(index), cache.page_table, eps=eps, theta=theta, impl=impl)
+    q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, dim)
+    q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
+    k_pages, v_pages = attention.write_kv(k, v, layer.k_norm, positions, *cache.layer(index),
+                                          cache.page_table, eps=eps, theta=theta, impl=impl)
     cache = cache.replace_layer(index, k_pages, v_pages)
     out = attention.verify_attention(q, k_pages, v_pages, cache.page_table, positions[:, 0],
                                      sliding_window=config.window(index), impl=impl)

@@ -186,8 +186,11 @@ def test_export_checks_params_against_config(tmp_path):
     make_target(tmp_path / "hf")
     target = load_target(tmp_path / "hf", dtype="float32")
     layers = list(target.params.layers)
-    layers[1] = layers[1].replace(k_proj=layers[1].k_proj[:, :8])
-    with pytest.raises(CheckpointError, match=r"'model.layers.1.self_attn.k_proj.weight' has shape \[8, 32\]"):
+    layers[1] = layers[1].replace(qkv_proj=layers[1].qkv_proj[:, :-8])
+    with pytest.raises(CheckpointError, match=r"'layers.1.qkv_proj' has \d+ columns, the config's fused tensors need"):
+        export_target(target.config, target.params.replace(layers=tuple(layers)), tmp_path / "out")
+    layers[1] = target.params.layers[1].replace(down_proj=target.params.layers[1].down_proj[:, :8])
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.down_proj.weight' has shape \[8, "):
         export_target(target.config, target.params.replace(layers=tuple(layers)), tmp_path / "out")
     with pytest.raises(CheckpointError, match="params lack tensor 'lm_head.weight'"):
         export_target(target.config, target.params.replace(lm_head=None), tmp_path / "out")

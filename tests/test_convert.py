@@ -167,7 +167,12 @@ def test_speculators_draft_round_trip(tmp_path, draft_vocab):
     assert converted.config == direct.config
     assert converted.config.target_layer_ids == (1, 2)
     assert_same_tree(converted.params, direct.params)
-    np.testing.assert_array_equal(converted.params.layers[1].q_proj, tensors["layers.1.self_attn.q_proj.weight"].numpy().T)
+    # HF's separate q/k/v and gate/up tensors sit side by side in the fused leaves
+    layer = converted.params.layers[1]
+    qkv = np.concatenate([tensors[f"layers.1.self_attn.{p}_proj.weight"].numpy().T for p in "qkv"], axis=1)
+    gate_up = np.concatenate([tensors[f"layers.1.mlp.{p}_proj.weight"].numpy().T for p in ("gate", "up")], axis=1)
+    np.testing.assert_array_equal(layer.qkv_proj, qkv)
+    np.testing.assert_array_equal(layer.gate_up_proj, gate_up)
     if draft_vocab:
         np.testing.assert_array_equal(converted.params.lm_head, tensors["lm_head.weight"].numpy().T)
         assert converted.params.d2t.dtype == np.int32
