@@ -30,23 +30,19 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(buffer_mib: int = 1024, repeats: int = 5) -> dict:
-    """Device copy ceilings in GB/s (bytes read + written) over a bf16 buffer: an XLA elementwise
-    pass and, where torch sees a GPU, torch's device-to-device copy (the higher and steadier of
-    the two on Hopper; it is the ceiling the benchmarks divide by)."""
-    n = buffer_mib << 19
-    iters = 20
+def _xla_pass_seconds(n: int, iters: int, repeats: int) -> float:
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     step = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: -y, x))
-    seconds = median_seconds(lambda: step(x).block_until_ready(), repeats) / iters
-    result = {"xla_elementwise_GBps": 2 * 2 * n / seconds / 1e9}
-    del x
+    return median_seconds(lambda: step(x).block_until_ready(), repeats) / iters
+
+
+def _torch_copy_seconds(n: int, iters: int, repeats: int) -> float | None:
     try:
         import torch
     except ImportError:
-        return result
+        return None
     if not torch.cuda.is_available():
-        return result
+        return None
     a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
 
@@ -55,9 +51,18 @@ def copy_bandwidth(buffer_mib: int = 1024, repeats: int = 5) -> dict:
             b.copy_(a)
         torch.cuda.synchronize()
 
-    result["torch_copy_GBps"] = 2 * 2 * n / (median_seconds(copies, repeats) / iters) / 1e9
-    del a, b
-    torch.cuda.empty_cache()
+    return median_seconds(copies, repeats) / iters
+
+
+def copy_bandwidth(buffer_mib: int = 1024, repeats: int = 5) -> dict:
+    """Device copy ceilings in GB/s (bytes read + written) over a bf16 buffer: an XLA elementwise
+    pass and, where torch sees a GPU, torch's device-to-device copy (the higher and steadier of
+    the two on Hopper; it is the ceiling the benchmarks divide by)."""
+    n, iters = buffer_mib << 19, 20
+    result = {"xla_elementwise_GBps": 2 * 2 * n / _xla_pass_seconds(n, iters, repeats) / 1e9}
+    torch_seconds = _torch_copy_seconds(n, iters, repeats)
+    if torch_seconds is not None:
+        result["torch_copy_GBps"] = 2 * 2 * n / torch_seconds / 1e9
     return result
 
 
