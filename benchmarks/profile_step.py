@@ -72,6 +72,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--modes", default="decode,dflash")
+    parser.add_argument("--block", type=int, default=16, help="DFlash block size")
     parser.add_argument("--sequence", type=int, default=0, help="print this many kernels in time order")
     args = parser.parse_args()
     out = Path(args.out)
@@ -86,6 +87,7 @@ def main():
         if name not in args.modes.split(","):
             continue
         prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * 40, chunk_steps=args.steps,
+                       block_size=args.block if use_draft is not None else None,
                        accept_replay=use_draft is not None, impl=args.impl)
         alpha = 0.86 if use_draft else None
         state = jax.block_until_ready(prep.chunk(prep.prefill(), alpha))

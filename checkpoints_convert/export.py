@@ -27,6 +27,7 @@ from dflash_jax.models import DTYPES
 from dflash_jax.params import DraftParams, TargetParams
 
 _HEADER_BYTES = 128  # safetensors header allowance per tensor (besides its name), for shard sizing
+DEFAULT_MAX_SHARD_MB = 5000  # as transformers' save_pretrained (5 GB shards)
 
 
 def _qwen3_fields(model: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -102,7 +103,8 @@ def _write_folder(out_dir, config_json: dict, tensors: list[tuple[str, Any, bool
     return out
 
 
-def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, *, max_shard_mb: int = 16,
+def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, *,
+                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
                  dtype: str | None = None, overwrite: bool = False) -> Path:
     """Write ``params`` as a z-lab-format DFlash draft folder (``architectures
     ["DFlashDraftModel"]``, Qwen3 fields, ``block_size``, ``num_target_layers``, ``dflash_config
@@ -141,7 +143,8 @@ def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, 
     return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite)
 
 
-def export_target(config: ModelConfig, params: TargetParams, out_dir: str | Path, *, max_shard_mb: int = 16,
+def export_target(config: ModelConfig, params: TargetParams, out_dir: str | Path, *,
+                  max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
                   dtype: str | None = None, overwrite: bool = False) -> Path:
     """Write ``params`` as an HF Qwen3ForCausalLM folder (``model.``-prefixed names;
     ``lm_head.weight`` only when untied). Tokenizer files are not part of params: copy them

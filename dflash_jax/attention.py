@@ -19,11 +19,13 @@ AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
-# What "auto" runs as a kernel on GPU, per operation. Measured on an H100 (benchmarks/RESULTS.md,
-# 2026-11-21): the paged attention kernels beat XLA and cuDNN at every size; the fused
-# norm+RoPE kernels do not at model sizes (XLA fuses them into their neighbours), so auto keeps
-# XLA for those. "pallas" forces every kernel.
-AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": False, "write_kv": False}
+# What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
+# attention kernels beat XLA and cuDNN at every size (H100 and H200); the norm+RoPE kernels,
+# alone or fused with the page writes for a whole target layer (qkv_norm_rope_write), do not at
+# model sizes (H200, 2026-11-22: bs-1 decode 4.88 vs 4.77 ms, verify 5.74 vs 5.25 ms), so auto
+# keeps XLA for those. "pallas" forces every kernel.
+AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": False, "write_kv": False,
+                "qkv_norm_rope_write": False}
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
@@ -82,6 +84,19 @@ def write_kv(k, v, k_norm, positions, k_pages, v_pages, page_table, *, eps, thet
                                             eps=eps, theta=theta)
     return pk.norm_rope_write(k, v, k_norm, positions, k_pages, v_pages, page_table,
                               eps=eps, theta=theta, **_kernel_kwargs(impl))
+
+
+def qkv_norm_rope_write(qkv, q_norm, k_norm, positions, k_pages, v_pages, page_table, *, num_heads,
+                        num_kv_heads, eps, theta, impl):
+    """A target layer's attention input from its fused projection qkv [B, T, (Hq + 2 Hkv) * D]:
+    returns (norm_rope(q) [B, T, Hq, D], k_pages, v_pages with norm_rope(k) and v stored)."""
+    impl = resolve_impl(impl, "qkv_norm_rope_write")
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, theta=theta)
+    if impl == "reference":
+        return pk.qkv_norm_rope_write_reference(qkv, q_norm, k_norm, positions, k_pages, v_pages,
+                                                page_table, **kw)
+    return pk.qkv_norm_rope_write(qkv, q_norm, k_norm, positions, k_pages, v_pages, page_table, **kw,
+                                  **_kernel_kwargs(impl))
 
 
 def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int) -> None:

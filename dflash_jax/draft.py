@@ -15,8 +15,8 @@ from dflash_jax import attention
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig
 from dflash_jax.params import DraftParams, TargetParams
-from dflash_jax.target import logits as target_logits, mlp, project_qkv, split_heads
-from pallas_kernels import rms_norm
+from dflash_jax.target import logits as target_logits, mlp, project_qkv
+from pallas_kernels import rms_norm, split_qkv
 
 
 def context_features(params: DraftParams, config: DraftConfig, taps: jax.Array) -> jax.Array:
@@ -33,9 +33,9 @@ def write_context(params: DraftParams, config: DraftConfig, taps: jax.Array, pos
     for index, layer in enumerate(params.layers):
         slot = cache.num_target_layers + index
         # Only k and v of the context are needed: project with the k|v columns alone.
-        k, v = jnp.split(features @ layer.qkv_proj[:, layer.q_size:], 2, axis=-1)
+        _, k, v = split_qkv(features @ layer.qkv_proj[:, layer.q_size:], 0, model.num_kv_heads)
         k_pages, v_pages = attention.write_kv(
-            split_heads(k, model.head_dim), split_heads(v, model.head_dim), layer.k_norm, positions,
+            k, v, layer.k_norm, positions,
             *cache.layer(slot), cache.page_table, eps=model.rms_norm_eps, theta=model.rope_theta, impl=impl)
         cache = cache.replace_layer(slot, k_pages, v_pages)
     return cache
@@ -51,9 +51,9 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
     in-batch context with anchor masks. Everything else is shared.
     """
     model = config.model
-    eps, theta, dim = model.rms_norm_eps, model.rope_theta, model.head_dim
+    eps, theta = model.rms_norm_eps, model.rope_theta
     for index, layer in enumerate(params.layers):
-        q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, dim)
+        q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, model)
         q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
         k = attention.norm_rope(k, layer.k_norm, positions, eps=eps, theta=theta, impl=impl)
         out = attend(index, q, k, v)

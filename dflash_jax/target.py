@@ -13,7 +13,7 @@ from dflash_jax import attention
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import LayerParams, TargetParams
-from pallas_kernels import rms_norm
+from pallas_kernels import rms_norm, split_qkv
 
 
 def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
@@ -22,26 +22,19 @@ def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     return (jax.nn.silu(gate) * up) @ layer.down_proj
 
 
-def project_qkv(h: jax.Array, layer: LayerParams, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v [..., heads, head_dim] of normed hidden states h [..., H] (one fused projection)."""
-    q_size = layer.q_size
-    kv_size = (layer.qkv_proj.shape[1] - q_size) // 2
-    q, k, v = jnp.split(h @ layer.qkv_proj, [q_size, q_size + kv_size], axis=-1)
-    return split_heads(q, head_dim), split_heads(k, head_dim), split_heads(v, head_dim)
-
-
-def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+def project_qkv(h: jax.Array, layer: LayerParams, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., Hq, D], k and v [..., Hkv, D] of normed hidden states h [..., H] (one fused projection)."""
+    return split_qkv(h @ layer.qkv_proj, config.num_heads, config.num_kv_heads)
 
 
 def target_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, index: int, positions: jax.Array,
                  cache: PagedKVCache, impl: str) -> tuple[jax.Array, PagedKVCache]:
     """One decoder layer on x [B, T, H] at ``positions`` [B, T] (contiguous per sequence)."""
-    eps, theta, dim = config.rms_norm_eps, config.rope_theta, config.head_dim
-    q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, dim)
-    q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
-    k_pages, v_pages = attention.write_kv(k, v, layer.k_norm, positions, *cache.layer(index),
-                                          cache.page_table, eps=eps, theta=theta, impl=impl)
+    eps, theta = config.rms_norm_eps, config.rope_theta
+    q, k_pages, v_pages = attention.qkv_norm_rope_write(
+        rms_norm(x, layer.input_norm, eps) @ layer.qkv_proj, layer.q_norm, layer.k_norm, positions,
+        *cache.layer(index), cache.page_table, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        eps=eps, theta=theta, impl=impl)
     cache = cache.replace_layer(index, k_pages, v_pages)
     out = attention.verify_attention(q, k_pages, v_pages, cache.page_table, positions[:, 0],
                                      sliding_window=config.window(index), impl=impl)

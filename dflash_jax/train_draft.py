@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from checkpoints_convert import export_draft
+from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
@@ -182,7 +183,7 @@ def _postfix(metrics: dict) -> dict:
 
 def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft_config: DraftConfig,
                 train: DraftTrainConfig, *, ckpt_dir: str | Path | None = None, resume: bool = False,
-                export_dtype="bfloat16") -> Draft:
+                export_dtype="bfloat16", max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> Draft:
     """Train a draft on token rows with ``target`` frozen, export it (z-lab HF format) to
     ``out_dir`` and return it as loaded (f32 training params)."""
     out_dir = Path(out_dir)
@@ -197,7 +198,7 @@ def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft
         lambda step: rows.batch(step, train.batch_size, train.seed), optim=train.optim, ckpt_dir=ckpt_dir,
         save_every=train.save_every, resume=resume, time_budget=train.time_budget, desc="draft", postfix=_postfix)
     append_log(ckpt_dir / "train_log.json", history)
-    export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True)
+    export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True, max_shard_mb=max_shard_mb)
     return Draft(draft_config, state.params, out_dir)
 
 
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="fit training (compile included) in this time: fewer steps, same schedule shape")
+    parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+                        help="largest safetensors shard of the exported draft, MB")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
     parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (default OUT.ckpt)")
     parser.add_argument("--resume", action="store_true")
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
                                  batch_size=args.batch, gamma=args.gamma, seed=args.seed,
                                  compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
-        draft = train_draft(target, rows, args.out, draft_config, train, ckpt_dir=args.ckpt_dir, resume=args.resume)
+        draft = train_draft(target, rows, args.out, draft_config, train, ckpt_dir=args.ckpt_dir, resume=args.resume,
+                            max_shard_mb=args.max_shard_mb)
         draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
         print(f"train_draft: exported {args.out}")
     if args.eval_prompts:

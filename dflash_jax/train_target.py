@@ -28,6 +28,7 @@ from flax import struct
 from tqdm import tqdm
 
 from checkpoints_convert import export_target
+from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
@@ -253,7 +254,8 @@ def make_evaluator(config: ModelConfig, rows: data.TokenRows, batch_size: int, d
 
 def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str | Path = "stdlib",
                  max_files: int | None = None, ckpt_dir: str | Path | None = None, resume: bool = False,
-                 eval_every: int = 250, max_eval_rows: int = 128):
+                 eval_every: int = 250, max_eval_rows: int = 128,
+                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB):
     """Train the tokenizer and the target on the training split of ``corpus`` (``"stdlib"``: the
     running interpreter's; or a folder of ``*.py``), tracking the loss on its held-out split;
     export the HF folder to ``out_dir`` and return (config, f32 params)."""
@@ -287,7 +289,7 @@ def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str |
         evaluate=make_evaluator(config, eval_rows, train.batch_size, train.compute_dtype), eval_every=eval_every)
     append_log(ckpt_dir / "train_log.json", history)
 
-    export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True)
+    export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True, max_shard_mb=max_shard_mb)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out_dir / name).write_bytes((staging / name).read_bytes())
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "do_sample": False}))
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="fit the run (compile included) in this time: fewer steps, same schedule shape")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"],
                         help="compute dtype (master weights stay float32)")
+    parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+                        help="largest safetensors shard of the exported model, MB")
     args = parser.parse_args(argv)
     train = TargetTrainConfig(
         shape=TinyTargetShape(vocab_size=args.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
@@ -339,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, compute_dtype=args.dtype,
         save_every=args.save_every, time_budget=args.time_budget)
     train_target(args.out, train, corpus=args.corpus, max_files=args.max_files, ckpt_dir=args.ckpt_dir,
-                 resume=args.resume, eval_every=args.eval_every)
+                 resume=args.resume, eval_every=args.eval_every, max_shard_mb=args.max_shard_mb)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ at ``pages[page_table[b, p // page_size], p % page_size]``.
 
 from pallas_kernels.paging import gather_pages, write_pages
 from pallas_kernels.norm_rope import (apply_rope, norm_rope, norm_rope_reference, norm_rope_write,
-                                      norm_rope_write_reference, rms_norm)
+                                      norm_rope_write_reference, qkv_norm_rope_write,
+                                      qkv_norm_rope_write_reference, rms_norm, split_qkv)
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
 
@@ -21,6 +22,9 @@ __all__ = [
     "norm_rope_reference",
     "norm_rope_write",
     "norm_rope_write_reference",
+    "qkv_norm_rope_write",
+    "qkv_norm_rope_write_reference",
+    "split_qkv",
     "paged_verify_attention",
     "paged_verify_attention_reference",
     "paged_draft_attention",

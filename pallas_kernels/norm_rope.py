@@ -5,9 +5,12 @@ Math follows HF Qwen3: RMSNorm in f32, cast back, times the weight; RoPE with
 
 ``norm_rope`` fuses the per-head RMSNorm and RoPE of q (one read, one write); ``norm_rope_write``
 does the same for k and scatters it, with v unchanged, straight into the paged cache (the pages
-are aliased to the outputs, so a donated cache is updated in place). Both kernels work on rows
-``(token, head)`` of ``head_dim`` values, ``block_rows`` rows per program, and handle the two
-rotate-half halves as separate loads/stores (Triton has no lane shuffles).
+are aliased to the outputs, so a donated cache is updated in place); ``qkv_norm_rope_write``
+does both for a target layer in one launch, reading q, k and v from the fused qkv projection.
+The kernels work on rows ``(token, head)`` of ``head_dim`` values, ``block_rows`` rows per
+program, and handle the two rotate-half halves as separate loads/stores (Triton has no lane
+shuffles). At model sizes XLA's fusions of the references measured faster on the H100 and H200
+(benchmarks/RESULTS.md), so the model runs these kernels only when asked (``impl="pallas"``).
 """
 
 import functools
@@ -79,32 +82,46 @@ def _row_mask(r0, block_rows: int, num_rows: int, width: int):
     return ok, jnp.broadcast_to(ok[:, None], (block_rows, width))
 
 
-def _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows: int, *, eps: float):
-    """Rows [r0, r0 + block_rows) of x [rows, D], normalized and rotated: two [rows, D/2] halves.
-
-    Rounds where the reference does (normed and weight product to x's dtype, cos/sin to x's
-    dtype) and does the rotation in f32.
-    """
+def _load_halves(x_ref, r0, block_rows: int):
+    """Rows [r0, r0 + block_rows) of x [rows, D] as two f32 [rows, D/2] halves (zeros past the end)."""
     num_rows, head_dim = x_ref.shape
     half = head_dim // 2
-    dtype = x_ref.dtype
     _, mask = _row_mask(r0, block_rows, num_rows, half)
-    x1 = plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(0, half)], mask=mask,
-                    other=0).astype(jnp.float32)
-    x2 = plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(half, half)], mask=mask,
-                    other=0).astype(jnp.float32)
+    return tuple(plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(d, half)], mask=mask,
+                            other=0).astype(jnp.float32) for d in (0, half))
+
+
+def _weight_halves(w_ref):
+    """The norm weight [D] as two [1, D/2] halves."""
+    half = w_ref.shape[0] // 2
+    return tuple(w_ref[pl.ds(d, half)][None, :] for d in (0, half))
+
+
+def _norm_rope_halves(x1, x2, w1, w2, inv_ref, positions, *, eps: float, dtype):
+    """RMSNorm (weight halves w1, w2 broadcast to the rows) then RoPE of rows given as f32 halves.
+
+    Rounds where the reference does (normed and weight product to ``dtype``, cos/sin to
+    ``dtype``) and does the rotation in f32.
+    """
+    head_dim = 2 * x1.shape[1]
     inv_rms = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim + eps)
 
     def round_(x):
         return x.astype(dtype).astype(jnp.float32)
 
     def normed(x, w):
-        return round_(round_(w_ref[w])[None, :] * round_(x * inv_rms[:, None]))
+        return round_(round_(w) * round_(x * inv_rms[:, None]))
 
-    n1, n2 = normed(x1, pl.ds(0, half)), normed(x2, pl.ds(half, half))
+    n1, n2 = normed(x1, w1), normed(x2, w2)
     freqs = positions.astype(jnp.float32)[:, None] * inv_ref[...][None, :]
     cos, sin = round_(jnp.cos(freqs)), round_(jnp.sin(freqs))
     return (n1 * cos - n2 * sin).astype(dtype), (n2 * cos + n1 * sin).astype(dtype)
+
+
+def _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows: int, *, eps: float):
+    """Rows [r0, r0 + block_rows) of x [rows, D], normalized and rotated: two [rows, D/2] halves."""
+    return _norm_rope_halves(*_load_halves(x_ref, r0, block_rows), *_weight_halves(w_ref), inv_ref,
+                             positions, eps=eps, dtype=x_ref.dtype)
 
 
 def _norm_rope_kernel(pos_ref, x_ref, w_ref, inv_ref, o_ref, *, heads: int, block_rows: int,
@@ -133,6 +150,21 @@ def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array
     if positions.shape != x.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions must be an integer [batch, T] = {x.shape[:2]} array, got "
                          f"{positions.dtype} {positions.shape}")
+
+
+def _check_pages(k, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array) -> None:
+    """k (or its shape/dtype) [B, T, Hkv, D] against pages [P, S, Hkv, D] and the page table."""
+    batch, _, heads, head_dim = k.shape
+    if k_pages.ndim != 4 or k_pages.shape[2:] != (heads, head_dim):
+        raise ValueError(f"k_pages must be [num_pages, page_size, {heads}, {head_dim}], got "
+                         f"{k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
+    if k_pages.dtype != k.dtype or v_pages.dtype != k.dtype:
+        raise ValueError(f"k_pages/v_pages dtype {k_pages.dtype}/{v_pages.dtype} must equal k dtype {k.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32 [batch={batch}, pages_per_seq], got "
+                         f"{page_table.dtype} {page_table.shape}")
 
 
 def _compiler_params(num_warps: int | None, num_stages: int | None):
@@ -219,17 +251,8 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
     _check_rows("k", k, k_norm_weight, positions)
     if v.shape != k.shape:
         raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
+    _check_pages(k, k_pages, v_pages, page_table)
     batch, q_len, heads, head_dim = k.shape
-    if k_pages.ndim != 4 or k_pages.shape[2:] != (heads, head_dim):
-        raise ValueError(f"k_pages must be [num_pages, page_size, {heads}, {head_dim}], got "
-                         f"{k_pages.shape}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
-    if k_pages.dtype != k.dtype:
-        raise ValueError(f"k_pages dtype {k_pages.dtype} must equal k dtype {k.dtype}")
-    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
-        raise ValueError(f"page_table must be int32 [batch={batch}, pages_per_seq], got "
-                         f"{page_table.dtype} {page_table.shape}")
     num_rows = batch * q_len * heads
     block_rows = block_rows or row_block(num_rows)
     if block_rows & (block_rows - 1):
@@ -247,3 +270,122 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
         name="norm_rope_write",
     )(positions.reshape(-1).astype(jnp.int32), page_table, k.reshape(num_rows, head_dim),
       v.reshape(num_rows, head_dim), k_norm_weight, _inv_freq(head_dim, theta), k_pages, v_pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole attention input of a target layer in one kernel: q, k, v straight from the fused
+# qkv projection; q normed and rotated out, k normed and rotated into its pages, v into its pages.
+
+
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., Hq, D], k and v [..., Hkv, D] from a fused projection [..., (Hq + 2 Hkv) * D]."""
+    slots = num_heads + 2 * num_kv_heads
+    heads = qkv.reshape(*qkv.shape[:-1], slots, qkv.shape[-1] // slots)
+    return (heads[..., :num_heads, :], heads[..., num_heads:num_heads + num_kv_heads, :],
+            heads[..., num_heads + num_kv_heads:, :])
+
+
+def qkv_norm_rope_write_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
+                                  positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                  page_table: jax.Array, *, num_heads: int, num_kv_heads: int,
+                                  eps: float, theta: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv [B, T, (Hq + 2 Hkv) * D] at ``positions`` [B, T] -> (norm_rope(q) [B, T, Hq, D],
+    k_pages, v_pages with norm_rope(k) and v stored)."""
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
+    q = norm_rope_reference(q, q_norm_weight, positions, eps=eps, theta=theta)
+    return (q, *norm_rope_write_reference(k, v, k_norm_weight, positions, k_pages, v_pages, page_table,
+                                          eps=eps, theta=theta))
+
+
+def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, inv_ref, _k_in, _v_in,
+                                q_ref, k_pages_ref, v_pages_ref, *, q_len: int, num_heads: int,
+                                num_kv_heads: int, block_rows: int, eps: float):
+    """Rows of x are (token, slot) for slot in q heads | k heads | v heads."""
+    r0 = pl.program_id(0) * block_rows
+    num_rows, head_dim = x_ref.shape
+    num_pages, page_size = k_pages_ref.shape[:2]
+    pages_per_seq = pt_ref.shape[1]
+    half = head_dim // 2
+    rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    slots = num_heads + 2 * num_kv_heads
+    token, slot = rows // slots, rows % slots
+    in_rows = rows < num_rows
+    is_q, is_v = slot < num_heads, slot >= num_heads + num_kv_heads
+    is_k = ~is_q & ~is_v
+    positions = plgpu.load(pos_ref.at[token], mask=in_rows, other=0)
+    x1, x2 = _load_halves(x_ref, r0, block_rows)
+    (qw1, qw2), (kw1, kw2) = _weight_halves(qw_ref), _weight_halves(kw_ref)
+    select = lambda q_part, k_part: jnp.where(is_q[:, None], q_part, k_part)  # noqa: E731
+    r1, r2 = _norm_rope_halves(x1, x2, select(qw1, kw1), select(qw2, kw2), inv_ref, positions,
+                               eps=eps, dtype=x_ref.dtype)
+    first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
+
+    def store(ref, index, ok, value, d):
+        plgpu.store(ref.at[(*index, d)], value, mask=jnp.broadcast_to(ok[:, None], value.shape))
+
+    # Rows that are not written point past the end of their output too, so that interpret mode's
+    # scatter drops them as well.
+    q_ok = in_rows & is_q
+    q_row = jnp.where(q_ok, token * num_heads + slot, q_ref.shape[0])[:, None]
+    store(q_ref, (q_row,), q_ok, r1, first)
+    store(q_ref, (q_row,), q_ok, r2, first + half)
+
+    logical = positions // page_size
+    ok = in_rows & ~is_q & (positions >= 0) & (logical < pages_per_seq)
+    page = plgpu.load(pt_ref.at[token // q_len, jnp.clip(logical, 0, pages_per_seq - 1)],
+                      mask=ok, other=num_pages)
+    ok &= (page >= 0) & (page < num_pages)
+    page_slot = (positions % page_size)[:, None]
+    for kind, ref, head, (v1, v2) in (
+            (is_k, k_pages_ref, slot - num_heads, (r1, r2)),
+            (is_v, v_pages_ref, slot - num_heads - num_kv_heads,
+             (x1.astype(x_ref.dtype), x2.astype(x_ref.dtype)))):
+        kind_ok = ok & kind
+        index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot, head[:, None])
+        store(ref, index, kind_ok, v1, first)
+        store(ref, index, kind_ok, v2, first + half)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "theta", "interpret",
+                                             "block_rows", "num_warps", "num_stages"))
+def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
+                        positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                        *, num_heads: int, num_kv_heads: int, eps: float, theta: float,
+                        interpret: bool = False, block_rows: int | None = None,
+                        num_warps: int | None = None,
+                        num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas version of ``qkv_norm_rope_write_reference`` (same arguments and results): one
+    launch instead of a split, two norm+RoPE passes and two scatters. Pages are aliased to the
+    outputs (in place when donated); positions outside the page table are dropped for k/v.
+    block_rows (rows of D values per program) defaults to ``tuning.row_block``."""
+    slots = num_heads + 2 * num_kv_heads
+    if qkv.ndim != 3 or qkv.shape[-1] % slots:
+        raise ValueError(f"qkv must be [batch, T, (num_heads + 2 * num_kv_heads) * head_dim] = "
+                         f"[.., .., {slots} * head_dim], got {qkv.shape}")
+    batch, q_len, width = qkv.shape
+    head_dim = width // slots
+    q_shape = (batch, q_len, num_heads, head_dim)
+    _check_rows("qkv", jax.ShapeDtypeStruct(q_shape, qkv.dtype), q_norm_weight, positions)
+    if k_norm_weight.shape != (head_dim,):
+        raise ValueError(f"k_norm_weight must be [head_dim={head_dim}], got {k_norm_weight.shape}")
+    _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages, v_pages,
+                 page_table)
+    num_rows = batch * q_len * slots
+    block_rows = block_rows or row_block(num_rows)
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    kernel = functools.partial(_qkv_norm_rope_write_kernel, q_len=q_len, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, block_rows=block_rows, eps=eps)
+    q, k_pages, v_pages = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_rows),),
+        out_shape=(jax.ShapeDtypeStruct((batch * q_len * num_heads, head_dim), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="qkv_norm_rope_write",
+    )(positions.reshape(-1).astype(jnp.int32), page_table, qkv.reshape(num_rows, head_dim),
+      q_norm_weight, k_norm_weight, _inv_freq(head_dim, theta), k_pages, v_pages)
+    return q.reshape(q_shape), k_pages, v_pages

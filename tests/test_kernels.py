@@ -225,6 +225,45 @@ def test_norm_rope_write(case, interpret, check):
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
 
 
+# (dtype, GQA group, head_dim, page size, tokens per sequence)
+QKV_CASES = [("f32", 1, 64, 16, 6), ("bf16", 4, 128, 32, 5), ("f32", 8, 64, 32, 1), ("bf16", 8, 128, 16, 16)]
+
+
+@pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_qkv_norm_rope_write(case, interpret, check):
+    """q out, k and v into NaN-poisoned, permuted pages; dropped positions leave pages as they were."""
+    dtype, group, head_dim, page_size, q_len = case
+    dtype = DTYPES[dtype]
+    rng = _rng("qkv_write", case)
+    kv_heads = 2
+    heads = kv_heads * group
+    lens = [page_size + 3, 2 * page_size, 1]  # ragged, an exact page multiple, a fresh prompt
+    pages_per_seq = -(-(max(lens) + q_len) // page_size) + 1
+    k_pages, v_pages, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
+                                         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                         spare=pages_per_seq)
+    table = np.array(table)
+    for b, n in enumerate(lens):  # pages for the new tokens, from the free (NaN) ones
+        need = -(-(n + q_len) // page_size)
+        free = sorted(set(range(k_pages.shape[0])) - set(table.ravel()))
+        for p in range(-(-n // page_size), need):
+            table[b, p] = free.pop(rng.integers(len(free)))
+    positions = np.asarray(lens)[:, None] + np.arange(q_len)[None, :]
+    positions[0, -1] = pages_per_seq * page_size  # past the page table: dropped
+    qkv = jnp.asarray(3 * rng.standard_normal((len(lens), q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
+    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
+    args = (qkv, q_w, k_w, jnp.asarray(positions, jnp.int32), k_pages, v_pages, jnp.asarray(table))
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=1e4)
+    outs = pk.qkv_norm_rope_write(*args, interpret=interpret, **kw)
+    refs = _reference(pk.qkv_norm_rope_write_reference, *args, **kw)
+    check(outs[0], refs[0], dtype)
+    for out, ref in zip(outs[1:], refs[1:]):  # pages: NaN exactly where the reference has NaN
+        out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        written = ~np.isnan(ref)
+        check(out[written], ref[written], dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Argument checking and the CUDA (Triton) lowering, both without running anything.
 
@@ -264,6 +303,9 @@ LOWERINGS = {
     "norm_rope": (pk.norm_rope, (S((2, 16, 32, 128), BF), S((128,), BF), S((2, 16), jnp.int32)),
                   {"eps": 1e-6, "theta": 1e6}),
     "norm_rope_write": (pk.norm_rope_write, _write_shapes(), {"eps": 1e-6, "theta": 1e6}),
+    "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
+                            (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
+                            {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
 }
 
 
@@ -320,3 +362,11 @@ def test_rejects_bad_tuning_and_block_shapes():
     shapes[4] = S((200, 16, 4, 128), BF)
     with pytest.raises(ValueError, match="k_pages"):
         jax.eval_shape(functools.partial(pk.norm_rope_write, eps=1e-6, theta=1e6), *shapes)
+    qkv_kw = dict(num_heads=32, num_kv_heads=8, eps=1e-6, theta=1e6)
+    weight, positions, *pages = _write_shapes()[2:]
+    with pytest.raises(ValueError, match="qkv must be"):
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 47 * 128), BF),
+                       weight, weight, positions, *pages)
+    with pytest.raises(ValueError, match="k_norm_weight"):
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
+                       weight, S((64,), BF), positions, *pages)
