@@ -201,6 +201,7 @@ def test_export_draft_casts_and_reads_back(tmp_path):
     draft = load_draft(tmp_path / "draft", dtype="bfloat16")
     out = export_draft(draft.config, draft.params, tmp_path / "exported", dtype="float32")
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert [f.name for f in out.glob("*.safetensors")] == ["model.safetensors"]  # 5 GB shards by default
     assert_same_tree(load_draft(out, dtype="float32").params, cast_params(draft.params, jnp.float32))
 
 
