@@ -34,7 +34,7 @@ class CheckpointError(ValueError):
 
 
 # HF name inside a layer -> (LayerParams field, stored transposed). q/k/v and gate/up share one
-# fused field each, in this order (``_layer_columns`` gives their column ranges).
+# fused field each, in this order (``_layer_slots`` gives each its column range).
 _LAYER_TENSORS = {
     "input_layernorm.weight": ("input_norm", False),
     "self_attn.q_proj.weight": ("qkv_proj", True),
