@@ -167,6 +167,14 @@ def _check_pages(k, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Arra
                          f"{page_table.dtype} {page_table.shape}")
 
 
+def _rows_per_program(block_rows: int | None, num_rows: int) -> int:
+    """block_rows as given (a power of two) or, by default, ``tuning.row_block``."""
+    block_rows = block_rows or row_block(num_rows)
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    return block_rows
+
+
 def _compiler_params(num_warps: int | None, num_stages: int | None):
     return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 1)
 
@@ -183,9 +191,7 @@ def norm_rope(x: jax.Array, weight: jax.Array, positions: jax.Array, *, eps: flo
     _check_rows("x", x, weight, positions)
     batch, q_len, heads, head_dim = x.shape
     num_rows = batch * q_len * heads
-    block_rows = block_rows or row_block(num_rows)
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    block_rows = _rows_per_program(block_rows, num_rows)
     kernel = functools.partial(_norm_rope_kernel, heads=heads, block_rows=block_rows, eps=eps)
     out = pl.pallas_call(
         kernel,
@@ -199,39 +205,43 @@ def norm_rope(x: jax.Array, weight: jax.Array, positions: jax.Array, *, eps: flo
     return out.reshape(x.shape)
 
 
+def _page_addresses(positions, ok, pt_ref, seq, num_pages: int, page_size: int):
+    """(page id [rows], slot in page [rows], ok [rows]) of each row's token position; a row whose
+    position lies outside its sequence's page table, or maps to no page, is not ok."""
+    pages_per_seq = pt_ref.shape[1]
+    logical = positions // page_size
+    ok = ok & (positions >= 0) & (logical < pages_per_seq)
+    page = plgpu.load(pt_ref.at[seq, jnp.clip(logical, 0, pages_per_seq - 1)], mask=ok, other=num_pages)
+    return page, positions % page_size, ok & (page >= 0) & (page < num_pages)
+
+
+def _store_rows(ref, index, ok, value) -> None:
+    """Scatter value [rows, n] to ref.at[index] where ok [rows]."""
+    plgpu.store(ref.at[index], value, mask=jnp.broadcast_to(ok[:, None], value.shape))
+
+
 def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, inv_ref, _k_in, _v_in,
                             k_pages_ref, v_pages_ref, *, q_len: int, heads: int,
                             block_rows: int, eps: float):
     r0 = pl.program_id(0) * block_rows
     num_rows, head_dim = k_ref.shape
     num_pages, page_size = k_pages_ref.shape[:2]
-    pages_per_seq = pt_ref.shape[1]
     half = head_dim // 2
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     token, head = rows // heads, rows % heads
     in_rows = rows < num_rows
     positions = plgpu.load(pos_ref.at[token], mask=in_rows, other=0)
-    logical = positions // page_size
-    ok = in_rows & (positions >= 0) & (logical < pages_per_seq)
-    page = plgpu.load(pt_ref.at[token // q_len, jnp.clip(logical, 0, pages_per_seq - 1)],
-                      mask=ok, other=num_pages)
-    ok &= (page >= 0) & (page < num_pages)
+    page, slot, ok = _page_addresses(positions, in_rows, pt_ref, token // q_len, num_pages, page_size)
     # Dropped rows also point past the last page, so interpret mode's scatter drops them too.
-    page = jnp.where(ok, page, num_pages)[:, None]
-    slot, head = (positions % page_size)[:, None], head[:, None]
+    index = (jnp.where(ok, page, num_pages)[:, None], slot[:, None], head[:, None])
     first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-
-    def store(ref, value, d):
-        plgpu.store(ref.at[page, slot, head, d], value,
-                    mask=jnp.broadcast_to(ok[:, None], value.shape))
-
     k1, k2 = _norm_rope_rows(k_ref, w_ref, inv_ref, positions, r0, block_rows, eps=eps)
-    store(k_pages_ref, k1, first)
-    store(k_pages_ref, k2, first + half)
+    _store_rows(k_pages_ref, (*index, first), ok, k1)
+    _store_rows(k_pages_ref, (*index, first + half), ok, k2)
     _, mask = _row_mask(r0, block_rows, num_rows, head_dim)
     v = plgpu.load(v_ref.at[pl.ds(r0, block_rows)], mask=mask, other=0)
-    store(v_pages_ref, v.astype(v_pages_ref.dtype),
-          lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
+    _store_rows(v_pages_ref, (*index, lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)), ok,
+                v.astype(v_pages_ref.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret", "block_rows",
@@ -254,9 +264,7 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
     _check_pages(k, k_pages, v_pages, page_table)
     batch, q_len, heads, head_dim = k.shape
     num_rows = batch * q_len * heads
-    block_rows = block_rows or row_block(num_rows)
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    block_rows = _rows_per_program(block_rows, num_rows)
     kernel = functools.partial(_norm_rope_write_kernel, q_len=q_len, heads=heads,
                                block_rows=block_rows, eps=eps)
     return pl.pallas_call(
@@ -304,7 +312,6 @@ def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, inv_ref,
     r0 = pl.program_id(0) * block_rows
     num_rows, head_dim = x_ref.shape
     num_pages, page_size = k_pages_ref.shape[:2]
-    pages_per_seq = pt_ref.shape[1]
     half = head_dim // 2
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     slots = num_heads + 2 * num_kv_heads
@@ -319,31 +326,23 @@ def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, inv_ref,
     r1, r2 = _norm_rope_halves(x1, x2, select(qw1, kw1), select(qw2, kw2), inv_ref, positions,
                                eps=eps, dtype=x_ref.dtype)
     first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-
-    def store(ref, index, ok, value, d):
-        plgpu.store(ref.at[(*index, d)], value, mask=jnp.broadcast_to(ok[:, None], value.shape))
-
     # Rows that are not written point past the end of their output too, so that interpret mode's
     # scatter drops them as well.
     q_ok = in_rows & is_q
     q_row = jnp.where(q_ok, token * num_heads + slot, q_ref.shape[0])[:, None]
-    store(q_ref, (q_row,), q_ok, r1, first)
-    store(q_ref, (q_row,), q_ok, r2, first + half)
+    _store_rows(q_ref, (q_row, first), q_ok, r1)
+    _store_rows(q_ref, (q_row, first + half), q_ok, r2)
 
-    logical = positions // page_size
-    ok = in_rows & ~is_q & (positions >= 0) & (logical < pages_per_seq)
-    page = plgpu.load(pt_ref.at[token // q_len, jnp.clip(logical, 0, pages_per_seq - 1)],
-                      mask=ok, other=num_pages)
-    ok &= (page >= 0) & (page < num_pages)
-    page_slot = (positions % page_size)[:, None]
+    page, page_slot, ok = _page_addresses(positions, in_rows & ~is_q, pt_ref, token // q_len, num_pages,
+                                          page_size)
     for kind, ref, head, (v1, v2) in (
             (is_k, k_pages_ref, slot - num_heads, (r1, r2)),
             (is_v, v_pages_ref, slot - num_heads - num_kv_heads,
              (x1.astype(x_ref.dtype), x2.astype(x_ref.dtype)))):
         kind_ok = ok & kind
-        index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot, head[:, None])
-        store(ref, index, kind_ok, v1, first)
-        store(ref, index, kind_ok, v2, first + half)
+        index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot[:, None], head[:, None])
+        _store_rows(ref, (*index, first), kind_ok, v1)
+        _store_rows(ref, (*index, first + half), kind_ok, v2)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "theta", "interpret",
@@ -371,9 +370,7 @@ def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight:
     _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages, v_pages,
                  page_table)
     num_rows = batch * q_len * slots
-    block_rows = block_rows or row_block(num_rows)
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    block_rows = _rows_per_program(block_rows, num_rows)
     kernel = functools.partial(_qkv_norm_rope_write_kernel, q_len=q_len, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, block_rows=block_rows, eps=eps)
     q, k_pages, v_pages = pl.pallas_call(
