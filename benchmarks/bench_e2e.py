@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, measure_ceilings, median_seconds  # noqa: E402
+from common import SHAPES, measure_ceilings, median_seconds, override_auto_kernels  # noqa: E402
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
@@ -181,7 +181,10 @@ def main():
     parser.add_argument("--parts-batches", default="1,32")
     parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,parts,e2e")
+    parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
+                        help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
     args = parser.parse_args()
+    auto_kernels = override_auto_kernels(args.auto_kernels)
     # Identical programs (a prefill shared by several block sizes) compile once.
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -197,7 +200,7 @@ def main():
 
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    report["shape"], report["impl"] = args.shape, args.impl
+    report["shape"], report["impl"], report["auto_kernels"] = args.shape, args.impl, auto_kernels
     report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib)
     log("ceilings", ceilings)
     target_config, draft_config = SHAPES[args.shape]

@@ -19,6 +19,18 @@ DFLASH_DRAFT_8B = DraftConfig(model=dataclasses.replace(QWEN3_8B, num_layers=5, 
                               num_target_layers=36)
 
 
+def override_auto_kernels(spec: str) -> dict:
+    """Apply ``op=on,op=off,...`` to ``attention.AUTO_KERNELS`` (what impl="auto" runs as a
+    kernel) for this process, for A/B runs; returns the table in force."""
+    from dflash_jax import attention
+    for item in filter(None, spec.split(",")):
+        op, _, value = item.partition("=")
+        if op not in attention.AUTO_KERNELS or value not in ("on", "off"):
+            raise SystemExit(f"--auto-kernels {item!r}: expected OP=on|off, OP one of {sorted(attention.AUTO_KERNELS)}")
+        attention.AUTO_KERNELS[op] = value == "on"
+    return dict(attention.AUTO_KERNELS)
+
+
 def median_seconds(run, repeats: int) -> float:
     """Median wall time of ``run()`` (which must block until its device work is done)."""
     run()  # warm-up

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES  # noqa: E402
+from common import SHAPES, override_auto_kernels  # noqa: E402
 
 from dflash_jax.generate import prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
@@ -74,7 +74,10 @@ def main():
     parser.add_argument("--modes", default="decode,dflash")
     parser.add_argument("--block", type=int, default=16, help="DFlash block size")
     parser.add_argument("--sequence", type=int, default=0, help="print this many kernels in time order")
+    parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
+                        help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS)")
     args = parser.parse_args()
+    override_auto_kernels(args.auto_kernels)
     out = Path(args.out)
     target_config, draft_config = SHAPES[args.shape]
     target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(

@@ -22,10 +22,12 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 # What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
 # attention kernels beat XLA and cuDNN at every size (H100 and H200); the norm+RoPE kernels,
 # alone or fused with the page writes for a whole target layer (qkv_norm_rope_write), do not at
-# model sizes (H200, 2026-11-22: bs-1 decode 4.88 vs 4.77 ms, verify 5.74 vs 5.25 ms), so auto
-# keeps XLA for those. "pallas" forces every kernel.
+# model sizes (H200, 2026-11-22: bs-1 decode 4.88 vs 4.77 ms, verify 5.74 vs 5.25 ms), nor does
+# the projection kernel with its norm/gate/residual fused (H100, 2026-11-22: bs-1 decode 6.73 vs
+# 6.86 ms, but bs-8 decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs 8.29), so auto keeps
+# XLA for those. "pallas" forces every kernel.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": False, "write_kv": False,
-                "qkv_norm_rope_write": False}
+                "qkv_norm_rope_write": False, "fused_matmul": False}
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
@@ -97,6 +99,15 @@ def qkv_norm_rope_write(qkv, q_norm, k_norm, positions, k_pages, v_pages, page_t
                                                 page_table, **kw)
     return pk.qkv_norm_rope_write(qkv, q_norm, k_norm, positions, k_pages, v_pages, page_table, **kw,
                                   **_kernel_kwargs(impl))
+
+
+def project(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None, impl):
+    """A projection with its glue: [rms_norm(x)] @ w [-> silu(gate) * up] [+ residual]."""
+    impl = resolve_impl(impl, "fused_matmul")
+    kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+    if impl == "reference":
+        return pk.fused_matmul_reference(x, w, **kw)
+    return pk.fused_matmul(x, w, **kw, **_kernel_kwargs(impl))
 
 
 def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int) -> None:

@@ -15,7 +15,7 @@ from dflash_jax import attention
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig
 from dflash_jax.params import DraftParams, TargetParams
-from dflash_jax.target import logits as target_logits, mlp, project_qkv
+from dflash_jax.target import attention_output_and_mlp, logits as target_logits
 from pallas_kernels import rms_norm, split_qkv
 
 
@@ -53,12 +53,12 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
     model = config.model
     eps, theta = model.rms_norm_eps, model.rope_theta
     for index, layer in enumerate(params.layers):
-        q, k, v = project_qkv(rms_norm(x, layer.input_norm, eps), layer, model)
+        q, k, v = split_qkv(attention.project(x, layer.qkv_proj, norm_weight=layer.input_norm, eps=eps,
+                                              impl=impl), model.num_heads, model.num_kv_heads)
         q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
         k = attention.norm_rope(k, layer.k_norm, positions, eps=eps, theta=theta, impl=impl)
         out = attend(index, q, k, v)
-        x = x + out.reshape(*out.shape[:2], -1) @ layer.o_proj
-        x = x + mlp(rms_norm(x, layer.post_attention_norm, eps), layer)
+        x = attention_output_and_mlp(x, out, layer, eps, impl)
     return rms_norm(x, params.norm, eps)
 
 

@@ -13,33 +13,32 @@ from dflash_jax import attention
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import LayerParams, TargetParams
-from pallas_kernels import rms_norm, split_qkv
+from pallas_kernels import rms_norm
 
 
-def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one fused projection."""
-    gate, up = jnp.split(x @ layer.gate_up_proj, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ layer.down_proj
-
-
-def project_qkv(h: jax.Array, layer: LayerParams, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [..., Hq, D], k and v [..., Hkv, D] of normed hidden states h [..., H] (one fused projection)."""
-    return split_qkv(h @ layer.qkv_proj, config.num_heads, config.num_kv_heads)
+def attention_output_and_mlp(x: jax.Array, out: jax.Array, layer: LayerParams, eps: float,
+                             impl: str) -> jax.Array:
+    """The rest of a decoder layer after attention out [B, T, Hq, D]: o_proj + residual, then the
+    SwiGLU MLP (post-attention norm, gate|up, silu(gate) * up, down) + residual."""
+    x = attention.project(out.reshape(*out.shape[:2], -1), layer.o_proj, residual=x, impl=impl)
+    h = attention.project(x, layer.gate_up_proj, norm_weight=layer.post_attention_norm, eps=eps,
+                          gated=True, impl=impl)
+    return attention.project(h, layer.down_proj, residual=x, impl=impl)
 
 
 def target_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, index: int, positions: jax.Array,
                  cache: PagedKVCache, impl: str) -> tuple[jax.Array, PagedKVCache]:
     """One decoder layer on x [B, T, H] at ``positions`` [B, T] (contiguous per sequence)."""
     eps, theta = config.rms_norm_eps, config.rope_theta
+    qkv = attention.project(x, layer.qkv_proj, norm_weight=layer.input_norm, eps=eps, impl=impl)
     q, k_pages, v_pages = attention.qkv_norm_rope_write(
-        rms_norm(x, layer.input_norm, eps) @ layer.qkv_proj, layer.q_norm, layer.k_norm, positions,
+        qkv, layer.q_norm, layer.k_norm, positions,
         *cache.layer(index), cache.page_table, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         eps=eps, theta=theta, impl=impl)
     cache = cache.replace_layer(index, k_pages, v_pages)
     out = attention.verify_attention(q, k_pages, v_pages, cache.page_table, positions[:, 0],
                                      sliding_window=config.window(index), impl=impl)
-    x = x + out.reshape(*out.shape[:2], -1) @ layer.o_proj
-    return x + mlp(rms_norm(x, layer.post_attention_norm, eps), layer), cache
+    return attention_output_and_mlp(x, out, layer, eps, impl), cache
 
 
 def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start: jax.Array,

@@ -265,6 +265,40 @@ def test_qkv_norm_rope_write(case, interpret, check):
 
 
 # --------------------------------------------------------------------------------------------
+# fused_matmul: [RMSNorm] -> x @ w -> [SwiGLU] -> [+ residual] for decode/verify-sized row counts.
+
+# (dtype, leading shape of x, K, output columns N, norm, gated, residual, tuning)
+MATMUL_CASES = [
+    ("f32", (1,), 256, 96, True, False, False, {}),
+    ("bf16", (1, 1), 512, 192, True, False, False, {}),
+    ("bf16", (2, 5), 256, 64, True, True, True, {}),
+    ("f32", (3, 4), 256, 80, False, False, True, {"num_splits": 2}),
+    ("bf16", (17,), 512, 100, True, True, True, {"num_splits": 2}),
+    ("bf16", (2, 16), 1024, 128, False, False, True, {"block_n": 32, "block_k": 128}),
+    ("f16", (70,), 256, 64, True, False, True, {}),
+    ("bf16", (4, 16), 256, 48, False, True, False, {"num_splits": 1, "block_n": 16}),
+]
+
+
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_fused_matmul(case, interpret, check):
+    """Ragged row counts (1, 5, 17, 70 rows), columns that do not fill a tile, split K."""
+    dtype, lead, k, n, norm, gated, residual, tuning = case
+    dtype = DTYPES[dtype]
+    rng = _rng("fused_matmul", case)
+    x = jnp.asarray(3 * rng.standard_normal((*lead, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, 2 * n if gated else n)) / np.sqrt(k), dtype)
+    kw = dict(norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, k), dtype) if norm else None, gated=gated,
+              residual=jnp.asarray(rng.standard_normal((*lead, n)), dtype) if residual else None)
+    out = pk.fused_matmul(x, w, interpret=interpret, **kw, **tuning)
+    ref = _reference(lambda x, w, norm_weight, residual: pk.fused_matmul_reference(
+        x, w, norm_weight=norm_weight, residual=residual, gated=gated), x, w, kw["norm_weight"],
+        kw["residual"])
+    assert out.dtype == dtype
+    check(out, ref, dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # Argument checking and the CUDA (Triton) lowering, both without running anything.
 
 S = jax.ShapeDtypeStruct
@@ -306,6 +340,12 @@ LOWERINGS = {
     "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
                             (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
                             {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
+    "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
+                         (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
+    "fused_matmul_gated_split": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
+                                 (S((2, 16, 4096), BF), S((4096, 2 * 1024), BF), S((4096,), BF)), {}),
+    "fused_matmul_residual": (lambda x, w, r: pk.fused_matmul(x, w, residual=r),
+                              (S((8, 1, 12288), BF), S((12288, 4096), BF), S((8, 1, 4096), BF)), {}),
 }
 
 
@@ -367,6 +407,15 @@ def test_rejects_bad_tuning_and_block_shapes():
     with pytest.raises(ValueError, match="qkv must be"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 47 * 128), BF),
                        weight, weight, positions, *pages)
+    for match, x, w, kw in [("K", S((1, 100), BF), S((100, 64), BF), {}),
+                            ("w", S((1, 64), BF), S((32, 64), BF), {}),
+                            ("dtype", S((1, 64), BF), S((64, 64), jnp.float32), {}),
+                            ("gated", S((1, 64), BF), S((64, 65), BF), {"gated": True}),
+                            ("norm_weight", S((1, 64), BF), S((64, 32), BF), {"norm_weight": S((32,), BF)}),
+                            ("residual", S((2, 64), BF), S((64, 32), BF), {"residual": S((2, 64), BF)}),
+                            ("block_k", S((2, 64), BF), S((64, 32), BF), {"block_k": 48})]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.fused_matmul, **kw), x, w)
     with pytest.raises(ValueError, match="k_norm_weight"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, S((64,), BF), positions, *pages)
