@@ -277,6 +277,7 @@ MATMUL_CASES = [
     ("bf16", (2, 16), 1024, 128, False, False, True, {"block_n": 32, "block_k": 128}),
     ("f16", (70,), 256, 64, True, False, True, {}),
     ("bf16", (4, 16), 256, 48, False, True, False, {"num_splits": 1, "block_n": 16}),
+    ("f32", (2, 16), 256, 96, True, True, True, {}),
 ]
 
 
