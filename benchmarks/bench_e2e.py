@@ -83,13 +83,14 @@ class Roofline:
                           batch * block)
 
 
-def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, impl):
+def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, impl, steps_per_check):
     """Median ms per step and tok/s of the real decode loop (chunks of ``steps`` steps)."""
     prompts = rng.integers(0, target.config.vocab_size // 2, (batch, context)).tolist()
     # One max_new_tokens for every block size: the prefill (and its compile) is then shared.
     max_new = steps * (draft.config.block_size if draft else 1) * (repeats + 2) + 1
     prep = prepare(target, prompts, draft=draft, block_size=block if draft else None,
-                   max_new_tokens=max_new, chunk_steps=steps, accept_replay=draft is not None, impl=impl)
+                   max_new_tokens=max_new, chunk_steps=steps, steps_per_check=steps_per_check,
+                   accept_replay=draft is not None, impl=impl)
     results = {}
     for alpha in alphas:
         state = None
@@ -181,6 +182,9 @@ def main():
     parser.add_argument("--parts-batches", default="1,32")
     parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,parts,e2e")
+    parser.add_argument("--steps-per-check", type=int, default=None,
+                        help="decode steps between the loop's stop checks (must divide --steps; default: "
+                        "generate.default_steps_per_check, what users get)")
     parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
                         help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
     args = parser.parse_args()
@@ -201,6 +205,7 @@ def main():
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     report["shape"], report["impl"], report["auto_kernels"] = args.shape, args.impl, auto_kernels
+    report["steps_per_check"] = args.steps_per_check
     report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib)
     log("ceilings", ceilings)
     target_config, draft_config = SHAPES[args.shape]
@@ -216,7 +221,7 @@ def main():
         for batch in batches:
             for context in contexts:
                 r = run_loop(target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng,
-                             args.impl)[None]
+                             args.impl, args.steps_per_check)[None]
                 r["roofline_ms"] = roof.decode(batch, context) * 1e3
                 r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
                 decode[f"bs{batch}_ctx{context}"] = r
@@ -235,9 +240,11 @@ def main():
     if "e2e" not in skip:
         for batch in batches:
             base = decode.get(f"bs{batch}_ctx512") or run_loop(target, None, batch, 512, 1, args.steps * 2, [None],
-                                                               args.repeats, rng, args.impl)[None]
+                                                               args.repeats, rng, args.impl,
+                                                               args.steps_per_check)[None]
             for block in blocks:
-                runs = run_loop(target, draft, batch, 512, block, args.steps, alphas, args.repeats, rng, args.impl)
+                runs = run_loop(target, draft, batch, 512, block, args.steps, alphas, args.repeats, rng, args.impl,
+                                args.steps_per_check)
                 for alpha, r in runs.items():
                     r.update(expected_tau=tau(alpha, block), baseline_tokens_per_s=base["tokens_per_s"],
                              speedup=r["tokens_per_s"] / base["tokens_per_s"],

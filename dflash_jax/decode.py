@@ -193,17 +193,29 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
         iteration=state.iteration + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "steps_per_check"), donate_argnames=("state",))
 def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                 replay_alpha: jax.Array | None = None, *, config: LoopConfig, num_steps: int) -> DecodeState:
-    """Up to ``num_steps`` decode steps in one on-device ``lax.while_loop``; stops early once
-    every sequence is done. Callers stream text between chunks. ``replay_alpha`` (scalar) is
-    required exactly when ``config.accept_replay``."""
+                 replay_alpha: jax.Array | None = None, *, config: LoopConfig, num_steps: int,
+                 steps_per_check: int = 1) -> DecodeState:
+    """Up to ``num_steps`` decode steps in one on-device loop; stops early once every sequence is
+    done, looking every ``steps_per_check`` steps (which must divide ``num_steps``). Callers
+    stream text between chunks. ``replay_alpha`` (scalar) is required exactly when
+    ``config.accept_replay``.
+
+    Why check less often: the stop test of a ``lax.while_loop`` is read back by the host after
+    every iteration, so the GPU idles between steps; an inner loop of a fixed number of steps
+    runs with no read-back. Steps taken after every row is done change nothing (done rows are
+    left as they are) but cost a step's time each."""
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
+    if steps_per_check < 1 or num_steps % steps_per_check:
+        raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide num_steps ({num_steps})")
     stop_at = state.iteration + num_steps
 
     def running(s: DecodeState):
         return (s.iteration < stop_at) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(running, lambda s: decode_step(target, draft, s, config, replay_alpha), state)
+    def steps(s: DecodeState) -> DecodeState:
+        return jax.lax.fori_loop(0, steps_per_check, lambda _, s: decode_step(target, draft, s, config, replay_alpha), s)
+
+    return jax.lax.while_loop(running, steps, state)

@@ -149,11 +149,19 @@ class PreparedGeneration:
         return None if self.draft is None else self.draft.params
 
 
+def default_steps_per_check(num_steps: int) -> int:
+    """Steps between the loop's stop checks unless asked otherwise: the largest of 4, 2, 1 that
+    divides the chunk. Each check stalls the GPU while the host reads it (~0.25 ms per step on
+    an H100, benchmarks/RESULTS.md); each unchecked step after the last row finishes costs one
+    wasted step, so at most 3 per chunk."""
+    return next(k for k in (4, 2, 1) if num_steps % k == 0)
+
+
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
             block_size: int | None = None, page_size: int = 16, num_pages: int | None = None,
-            impl: str = "auto", chunk_steps: int | None = None,
+            impl: str = "auto", chunk_steps: int | None = None, steps_per_check: int | None = None,
             accept_replay: bool = False) -> PreparedGeneration:
     """Validate a batch, allocate its pages and compile its prefill and decode chunk (the
     arguments are those of ``generate``). Raises before any device work on bad input."""
@@ -195,6 +203,14 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
               jnp.asarray(_stop_array(stop_token_ids, batch)))
     max_steps = max(max_new)
+    num_steps = chunk_steps or max_steps
+    if chunk_steps is not None and chunk_steps < 1:
+        raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if steps_per_check is None:
+        steps_per_check = default_steps_per_check(num_steps)
+    elif steps_per_check < 1 or num_steps % steps_per_check:
+        raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide the steps per chunk "
+                         f"({num_steps}: chunk_steps, or max_new_tokens when chunk_steps is None)")
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
@@ -206,7 +222,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
     prepared.chunk_fn = decode_chunk.lower(target.params, prepared._draft_params, state_shape, alpha,
-                                           config=config, num_steps=chunk_steps or max_steps).compile()
+                                           config=config, num_steps=num_steps,
+                                           steps_per_check=steps_per_check).compile()
     prepared.compile_seconds = time.perf_counter() - start
     return prepared
 
@@ -216,21 +233,23 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
              stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
              block_size: int | None = None, page_size: int = 16, num_pages: int | None = None,
              seed: int = 0, impl: str = "auto", chunk_steps: int | None = None,
-             on_chunk: Callable[[list[list[int]]], None] | None = None,
+             steps_per_check: int | None = None, on_chunk: Callable[[list[list[int]]], None] | None = None,
              accept_replay: float | None = None) -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths.
 
     With ``draft`` it runs DFlash speculative decoding (block size = the draft's unless
     ``block_size`` is given); without, plain autoregressive decoding. Greedy output is the same
     either way. ``max_new_tokens`` and ``stop_token_ids`` may be per sequence. ``on_chunk``
-    receives the tokens so far after every ``chunk_steps`` steps (streaming). ``impl`` picks
+    receives the tokens so far after every ``chunk_steps`` steps (streaming); inside a chunk the
+    loop looks for finished rows every ``steps_per_check`` steps (``default_steps_per_check``;
+    the output is the same for any value, only speed changes). ``impl`` picks
     attention kernels or references (see dflash_jax.attention). ``accept_replay`` is a
     benchmark-only override of the accept decision (each draft accepted with that probability).
     """
     prepared = prepare(target, prompts, draft=draft, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_token_ids=stop_token_ids, block_size=block_size, page_size=page_size,
                        num_pages=num_pages, impl=impl, chunk_steps=chunk_steps,
-                       accept_replay=accept_replay is not None)
+                       steps_per_check=steps_per_check, accept_replay=accept_replay is not None)
     batch = len(prompts)
     start = time.perf_counter()
     state = jax.block_until_ready(prepared.prefill(seed))
@@ -303,6 +322,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="attention: kernels on GPU, references on CPU by default")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-steps", type=int, default=4, help="decode steps between streamed updates")
+    p.add_argument("--steps-per-check", type=int, default=None,
+                   help="decode steps between the loop's checks for finished sequences (must divide "
+                        "--chunk-steps; default: the largest of 4, 2, 1 that does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stats-json", help="write the statistics here")
     return p
@@ -349,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                           sampling=sampling, stop_token_ids=tokenizer.stop_token_ids,
                           block_size=args.block_size if use_draft else None, page_size=args.page_size,
                           seed=args.seed, impl=args.impl, chunk_steps=args.chunk_steps,
+                          steps_per_check=args.steps_per_check,
                           on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
                           if stream else None)
         if stream:

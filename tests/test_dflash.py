@@ -178,6 +178,22 @@ def test_stop_lists_first_token_stop_and_streaming(spec_pair, baseline):
     assert chunks[-1] == out.tokens
 
 
+def test_steps_per_check_changes_nothing_but_speed(spec_pair, baseline):
+    """Checking for finished rows every 4 steps instead of every step: rows that stop mid-group
+    (first token, later stop tokens, max_new_tokens) come out exactly the same, stats included."""
+    pair = spec_pair
+    prompts, expected = baseline
+    stops = [[expected[0][0]], [expected[1][6]], [], [1000]]
+    runs = [generate(pair.target, prompts, draft=pair.draft, max_new_tokens=[MAX_NEW, MAX_NEW, 5, MAX_NEW],
+                     stop_token_ids=stops, impl="reference", chunk_steps=8, steps_per_check=k)
+            for k in (1, 4)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+    with pytest.raises(ValueError, match="steps_per_check"):
+        generate(pair.target, prompts, draft=pair.draft, max_new_tokens=MAX_NEW, impl="reference",
+                 chunk_steps=6, steps_per_check=4)
+
+
 def test_draft_sees_only_the_real_block_near_max_new(spec_pair, monkeypatch):
     """Near max_new_tokens the reference drafts a shorter block (verify_size = remaining + 1); ours
     keeps the block shape and must hand the draft block_lens = min(remaining + 1, block). Spied
