@@ -80,9 +80,10 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
 
     Rows are padded to >= 16 (the smallest tensor-core tile); 64-column weight tiles (128 bytes
     of a bf16 row per load); the largest K tile <= 256 (128 in f32) that divides K; K split only
-    when fewer than half as many programs as SMs would run (H100, 2026-11-22: one program per
-    column block beat splitting K for every projection of Qwen3-8B at 1 and 16 rows); three
-    stages, fewer where the tiles would overflow shared memory.
+    when fewer than half as many programs as SMs would run; three stages, fewer where the tiles
+    would overflow shared memory. On an H100 (2026-11-22, the 36 layers' projections of Qwen3-8B
+    at 1 and 16 rows) this beat 64- and 128-deep K tiles, 4 stages, 128-column tiles and K split
+    in two (benchmarks/RESULTS.md).
     """
     if block_m is None:
         block_m = min(64, max(16, next_power_of_2(m)))
