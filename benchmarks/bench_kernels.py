@@ -260,14 +260,14 @@ def run_rows(cache: Cache, log) -> list[dict]:
 
 
 # Tuning variants around the rule's choice, where the rule is least sure: (batch, kind, ctx).
-# Tuning variants timed by --explore (second round, on the H200: where verify and draft fell
-# short of 80% with the H100-tuned defaults).
-_VERIFY_VARIANTS = [{"num_warps": 8}, {"block_t": 8}, {"num_stages": 2}, {"num_stages": 4},
-                    {"pages_per_block": 4, "num_stages": 4}, {"block_t": 8, "num_stages": 4}]
+# Tuning variants timed by --explore (third round, on the H200, where verify fell short of 80%
+# with the H100-tuned defaults; the second round's 8 warps, 32-row programs, 2 or 4 stages and
+# 64-token tiles at 4 stages are in benchmarks/RESULTS.md): 64-token tiles at 2-3 stages leave
+# room for two programs per SM, so one computes while the other loads.
+_VERIFY_VARIANTS = [{"pages_per_block": 4, "num_stages": 3}, {"pages_per_block": 4, "num_stages": 2},
+                    {"pages_per_block": 4, "num_stages": 3, "num_splits": 4},
+                    {"pages_per_block": 4, "num_stages": 2, "num_splits": 4}]
 EXPLORE = {
-    (1, "decode", MAX_CTX): [{"num_splits": 32}, {"num_splits": 64}, {"num_stages": 3},
-                             {"pages_per_block": 16}],
-    (8, "decode", 4096): [{"num_splits": 4}, {"num_splits": 8}, {"num_stages": 3}],
     (8, "verify", 16384): _VERIFY_VARIANTS,
     (8, "draft", MAX_CTX): _VERIFY_VARIANTS,
     (32, "verify", 4096): _VERIFY_VARIANTS,

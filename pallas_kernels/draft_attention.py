@@ -142,7 +142,9 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          f"{block_lens.dtype} {block_lens.shape}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    blocks = choose_blocks(q, k_pages, page_table, block_t=block_t,
+    # the block's own K and V of one KV head stay in shared memory beside the query tile
+    block_kv_bytes = 2 * block * q.shape[3] * k_pages.dtype.itemsize
+    blocks = choose_blocks(q, k_pages, page_table, block_kv_bytes, block_t=block_t,
                            pages_per_block=pages_per_block, num_splits=num_splits,
                            num_warps=num_warps, num_stages=num_stages)
     kernel = functools.partial(_draft_kernel, q_len=block, block_t=blocks.block_t,

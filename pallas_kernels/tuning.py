@@ -7,6 +7,8 @@ in f32) per loop step, software-pipelined as deep as shared memory allows. Measu
 (benchmarks/bench_kernels.py, 2026-11-21): three stages beat two by 10-20% once a program holds
 >= 32 query rows, two stages are best for decode; verify programs (64 rows) run best about one
 per SM, decode programs (16 rows) about two per SM; at 16-64 rows 8 warps were slower than 4.
+On the H200 (2026-11-22) a full batch of verify programs runs better two per SM on 64-token tiles
+(see ``attention_blocks``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ MAX_SPLITS = 64
 # Triton keeps num_stages copies of the K and V tiles (and possibly the query tile) in shared
 # memory, 227 KB per SM on Hopper; stay under this so a config never fails to launch.
 SMEM_BUDGET = 220 * 1024
+SM_SHARED_MEMORY = 228 * 1024  # per SM on Hopper, shared by the programs resident on it
 
 
 def next_power_of_2(n: int) -> int:
@@ -39,30 +42,41 @@ class AttentionBlocks:
 
 def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                      pages_per_seq: int, batch: int, kv_heads: int, itemsize: int = 2,
+                     extra_smem_bytes: int = 0,
                      block_t: int | None = None, pages_per_block: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> AttentionBlocks:
     """Pick the blocks for paged verify/draft attention; any argument given wins over the rule.
 
     Rows per program are padded to at least 16 (the smallest tensor-core tile) and capped at 128
-    (64 for f32 or head_dim > 128); the KV tile is 128 tokens (64 for f32 or head_dim > 128)
-    and never under 16.
+    (64 for f32 or head_dim > 128); the KV tile is 128 tokens (64 for f32 or head_dim > 128, and
+    for a full batch of 64-row programs, see below) and never under 16. ``extra_smem_bytes``:
+    shared memory a program holds besides its query tile and KV stages.
     """
     small = itemsize <= 2 and head_dim <= 128
     if block_t is None:
         rows = min(max(16, next_power_of_2(q_len * group)), max(128 if small else 64, group))
         block_t = max(1, rows // group)
     rows = block_t * group
+    programs = batch * kv_heads * -(-q_len // block_t)
+    # A full batch of verify programs (64 rows, at least one per SM unsplit) takes 64-token KV
+    # tiles: three stages of them and the query tile fit twice in an SM's shared memory, so one
+    # program computes while the other loads (H200, 2026-11-22: bs 32 verify 72-81% -> 77-84% of
+    # copy). Smaller batches lost when split further to fill two per SM (bs 1 / 8: 5-15% slower),
+    # and the draft kernel's block K/V (``extra_smem_bytes``) leave no room for a second program.
+    kv_64_stage = 2 * 64 * head_dim * itemsize
+    co_resident = (small and rows == 64 and page_size <= 64 and programs >= NUM_SMS and
+                   2 * (3 * kv_64_stage + rows * head_dim * itemsize + extra_smem_bytes) <= SM_SHARED_MEMORY)
     if pages_per_block is None:
-        pages_per_block = max(1, (128 if small else 64) // page_size, 16 // page_size)
+        kv_tokens = 64 if co_resident or not small else 128
+        pages_per_block = max(1, kv_tokens // page_size, 16 // page_size)
     stage_bytes = 2 * pages_per_block * page_size * head_dim * itemsize
     q_bytes = rows * head_dim * itemsize
     if num_stages is None:
         num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
                           if s == 1 or s * stage_bytes + q_bytes <= SMEM_BUDGET)
     if num_splits is None:
-        target = NUM_SMS * (2 if rows <= 16 else 1)
-        programs = batch * kv_heads * -(-q_len // block_t)
+        target = NUM_SMS * (2 if rows <= 16 or co_resident else 1)
         tiles = -(-pages_per_seq // pages_per_block)
         num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     if num_warps is None:

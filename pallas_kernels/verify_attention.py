@@ -208,14 +208,14 @@ def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> N
                          f"{lens.dtype} {lens.shape}")
 
 
-def choose_blocks(q, k_pages, page_table, **tuning) -> AttentionBlocks:
+def choose_blocks(q, k_pages, page_table, extra_smem_bytes: int = 0, **tuning) -> AttentionBlocks:
     """The tuning rule's blocks (overridden by any tuning keyword given), validated."""
     batch, q_len, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1:3]
     group = q_heads // kv_heads
     blocks = attention_blocks(q_len=q_len, group=group, head_dim=head_dim, page_size=page_size,
                               pages_per_seq=page_table.shape[1], batch=batch, kv_heads=kv_heads,
-                              itemsize=q.dtype.itemsize, **tuning)
+                              itemsize=q.dtype.itemsize, extra_smem_bytes=extra_smem_bytes, **tuning)
     rows = blocks.block_t * group
     if not _is_power_of_2(rows) or rows < 16:
         raise ValueError(f"block_t * group must be a power of two >= 16, got "

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import tuning as pk_tuning
 
 F32_TOL = 1e-5
 LOW_TOL = 1e-2  # bf16 / f16: relative L2 error
@@ -100,7 +101,8 @@ VERIFY_CASES = [
     (dtype, group, head_dim, (16, 32)[(i + i // 2) % 2], window, VERIFY_T[(i + i // 4) % 4],
      TUNINGS[(i // 2 + i // 4) % 4])
     for i, (dtype, group, head_dim, window) in enumerate(VERIFY_GRID)
-] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16})]
+] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16}),
+     ("bf16", 4, 128, 16, None, 16, {"pages_per_block": 4, "num_stages": 3, "num_splits": 1})]
 
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -383,6 +385,19 @@ BAD_ARGS = [
 def test_verify_rejects_bad_args(match, shapes):
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(pk.paged_verify_attention, *shapes())
+
+
+def test_attention_block_rule():
+    """Qwen3-8B verify (16 tokens x GQA 4 = 64 rows): a batch filling every SM unsplit gets
+    64-token tiles (two programs per SM); smaller batches, and the draft kernel with its block
+    K/V in shared memory, keep 128-token tiles and split the context instead."""
+    shape = dict(q_len=16, group=4, head_dim=128, page_size=16, pages_per_seq=2048, kv_heads=8)
+    full = pk_tuning.attention_blocks(batch=32, **shape)
+    assert (full.pages_per_block, full.num_splits, full.num_stages) == (4, 1, 3)
+    small = pk_tuning.attention_blocks(batch=8, **shape)
+    assert (small.pages_per_block, small.num_splits) == (8, 2)
+    draft = pk_tuning.attention_blocks(batch=32, extra_smem_bytes=2 * 16 * 128 * 2, **shape)
+    assert (draft.pages_per_block, draft.num_splits) == (8, 1)
 
 
 def test_rejects_bad_tuning_and_block_shapes():
