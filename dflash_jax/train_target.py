@@ -104,7 +104,9 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
     from the latest one.
 
     With ``time_budget`` (seconds, compile included) the pace of steps 3-12 decides the number
-    of steps that fit, and the schedule is laid out over that many (recorded for resuming).
+    of steps that fit, and the schedule is laid out over that many (recorded for resuming); when
+    the run then goes slower (evaluations, checkpoints, a busy machine) the schedule is shortened
+    to end on time.
     ``evaluate(params)`` (held-out metrics) runs every ``eval_every`` steps and at the end.
     Batches and keys must be pure functions of the step so a resumed run repeats exactly what an
     uninterrupted one does. Returns the final state and one metrics dict per step run here.
@@ -124,6 +126,9 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                 total = json.loads(schedule_file.read_text())["total_steps"]
         first = step = int(state.step)
         pace_from = None if time_budget is None or step > 0 else first + 2
+        paced = None  # (step, time) where the pace measurement began
+        # the pace is re-read over the last `window` steps, which span an evaluation when there are any
+        window, step_times = max(10, eval_every), {}
         with tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar:
             while step < total:
                 state, metrics = step_fn(state, jnp.float32(optim.learning_rate(step, total)), *batch_fn(step))
@@ -132,15 +137,26 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                 history.append({"step": step, **metrics})
                 bar.set_postfix(postfix(metrics), refresh=False)
                 bar.update(1)
+                now = step_times[step] = time.perf_counter()
+                step_times.pop(step - window - 1, None)
                 if pace_from is not None and step == pace_from:
-                    paced = time.perf_counter()
+                    paced = (step, now)
                 elif pace_from is not None and step == pace_from + 10:
-                    per_step = (time.perf_counter() - paced) / 10
-                    left = time_budget - (time.perf_counter() - began)
-                    total = min(total, step + max(0, int(left / per_step)))
+                    per_step = (now - paced[1]) / 10
+                    total = min(total, step + max(0, int((time_budget - (now - began)) / per_step)))
                     schedule_file.write_text(json.dumps({"total_steps": total, "seconds_per_step": per_step}))
                     bar.total, pace_from = total, None
                     print(f"{desc}: {per_step * 1e3:.1f} ms/step, {total} steps fit the time budget")
+                elif paced is not None and pace_from is None and paced[0] < step < total:
+                    # the recent pace, evaluations and checkpoints included
+                    since = max(paced[0], step - window)
+                    per_step = (now - step_times.get(since, paced[1])) / (step - since)
+                    if (now - began) + (total - step) * per_step > 1.05 * time_budget:
+                        total = step + max(0, int((time_budget - (now - began)) / per_step))
+                        schedule_file.write_text(json.dumps({"total_steps": total, "seconds_per_step": per_step}))
+                        bar.total = total
+                        bar.write(f"{desc}: slower than planned ({per_step * 1e3:.1f} ms/step lately), "
+                                  f"schedule shortened to {total} steps")
                 if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
                     history[-1].update(evaluate(state.params))
                     bar.write(f"{desc} step {step}: " + ", ".join(

@@ -229,3 +229,20 @@ def test_schedule_and_time_budget(tmp_path):
     total = json.loads((tmp_path / "schedule.json").read_text())["total_steps"]
     assert 12 <= total < 40 and int(state.step) == len(history) == total
     assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
+
+    # Steps that slow down after the pace was measured (a busy machine, evaluations): the
+    # schedule is shortened and the run still ends near its budget, with its rate annealed.
+    def slowing_step(state, learning_rate):
+        __import__("time").sleep(0.02 if int(state.step) < 20 else 0.08)
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
+    began = __import__("time").perf_counter()
+    state, history = train_target.run_training(
+        state, slowing_step, lambda step: (), optim=dataclasses.replace(optim, steps=1000),
+        ckpt_dir=tmp_path / "slowing", save_every=1000, resume=False, desc="budget", postfix=lambda m: {},
+        time_budget=2.0)
+    seconds = __import__("time").perf_counter() - began
+    total = json.loads((tmp_path / "slowing" / "schedule.json").read_text())["total_steps"]
+    assert int(state.step) == len(history) == total and seconds < 2.0 * 1.25
+    assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
