@@ -184,7 +184,7 @@ def main():
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,parts,e2e")
     parser.add_argument("--steps-per-check", type=int, default=None,
                         help="decode steps between the loop's stop checks (must divide --steps; default: "
-                        "generate.default_steps_per_check, what users get)")
+                        "decode.default_steps_per_check, what users get)")
     parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
                         help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
     args = parser.parse_args()

@@ -193,6 +193,20 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
         iteration=state.iteration + 1)
 
 
+def default_steps_per_check(num_steps: int) -> int:
+    """Steps between the loop's stop checks unless asked otherwise: the largest of 4, 2, 1 that
+    divides the chunk. Each check stalls the GPU while the host reads it (~0.2 ms per step on an
+    H100/H200, benchmarks/RESULTS.md); each unchecked step after the last row finishes costs one
+    wasted step, so at most 3 per chunk."""
+    return next(k for k in (4, 2, 1) if num_steps % k == 0)
+
+
+def check_steps_per_check(num_steps: int, steps_per_check: int) -> None:
+    if steps_per_check < 1 or num_steps % steps_per_check:
+        raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide the steps per "
+                         f"chunk ({num_steps}: chunk_steps, or max_new_tokens without chunks)")
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "steps_per_check"), donate_argnames=("state",))
 def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
                  replay_alpha: jax.Array | None = None, *, config: LoopConfig, num_steps: int,
@@ -208,8 +222,7 @@ def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
     left as they are) but cost a step's time each."""
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
-    if steps_per_check < 1 or num_steps % steps_per_check:
-        raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide num_steps ({num_steps})")
+    check_steps_per_check(num_steps, steps_per_check)
     stop_at = state.iteration + num_steps
 
     def running(s: DecodeState):

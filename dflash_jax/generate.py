@@ -19,7 +19,8 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import allocate_pages, init_cache
-from dflash_jax.decode import DecodeState, LoopConfig, decode_chunk, prefill
+from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
+                               default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
 
@@ -149,14 +150,6 @@ class PreparedGeneration:
         return None if self.draft is None else self.draft.params
 
 
-def default_steps_per_check(num_steps: int) -> int:
-    """Steps between the loop's stop checks unless asked otherwise: the largest of 4, 2, 1 that
-    divides the chunk. Each check stalls the GPU while the host reads it (~0.25 ms per step on
-    an H100, benchmarks/RESULTS.md); each unchecked step after the last row finishes costs one
-    wasted step, so at most 3 per chunk."""
-    return next(k for k in (4, 2, 1) if num_steps % k == 0)
-
-
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -208,9 +201,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
         raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     if steps_per_check is None:
         steps_per_check = default_steps_per_check(num_steps)
-    elif steps_per_check < 1 or num_steps % steps_per_check:
-        raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide the steps per chunk "
-                         f"({num_steps}: chunk_steps, or max_new_tokens when chunk_steps is None)")
+    check_steps_per_check(num_steps, steps_per_check)  # before compiling anything
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
@@ -241,7 +232,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
     ``block_size`` is given); without, plain autoregressive decoding. Greedy output is the same
     either way. ``max_new_tokens`` and ``stop_token_ids`` may be per sequence. ``on_chunk``
     receives the tokens so far after every ``chunk_steps`` steps (streaming); inside a chunk the
-    loop looks for finished rows every ``steps_per_check`` steps (``default_steps_per_check``;
+    loop looks for finished rows every ``steps_per_check`` steps (``decode.default_steps_per_check``;
     the output is the same for any value, only speed changes). ``impl`` picks
     attention kernels or references (see dflash_jax.attention). ``accept_replay`` is a
     benchmark-only override of the accept decision (each draft accepted with that probability).
