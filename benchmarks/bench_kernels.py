@@ -121,7 +121,8 @@ def q_bytes(batch: int, q_len: int) -> int:
 def make_case(kind: str, cache: Cache, ctx: int):
     """(fn, q, rest, bytes moved) for verify, decode, draft (ours) or jax_paged (decode anchor)."""
     batch = cache.batch
-    q_len = 1 if kind in ("decode", "jax_paged") else BLOCK
+    kind, _, tokens = kind.partition("@")
+    q_len = int(tokens) if tokens else 1 if kind in ("decode", "jax_paged") else BLOCK
     key = jax.random.key(ctx + batch)
     q = jax.random.normal(key, (batch, q_len, Q_HEADS, HEAD_DIM), DTYPE)
     lens = jnp.full((batch,), ctx, jnp.int32)
@@ -259,19 +260,20 @@ def run_rows(cache: Cache, log) -> list[dict]:
     return rows
 
 
-# Tuning variants around the rule's choice, where the rule is least sure: (batch, kind, ctx).
-# Tuning variants timed by --explore (third round, on the H200, where verify fell short of 80%
-# with the H100-tuned defaults; the second round's 8 warps, 32-row programs, 2 or 4 stages and
-# 64-token tiles at 4 stages are in benchmarks/RESULTS.md): 64-token tiles at 2-3 stages leave
-# room for two programs per SM, so one computes while the other loads.
-_VERIFY_VARIANTS = [{"pages_per_block": 4, "num_stages": 3}, {"pages_per_block": 4, "num_stages": 2},
-                    {"pages_per_block": 4, "num_stages": 3, "num_splits": 4},
-                    {"pages_per_block": 4, "num_stages": 2, "num_splits": 4}]
+# Tuning variants timed by --explore, where the rule is least sure: (batch, kind, ctx). A kind
+# "verify@T" verifies T tokens per sequence (plain "verify" uses BLOCK). Fourth round (H200,
+# 2026-11-22): the full-batch cells of the end-to-end runs, block-8 verify (32-row programs) and
+# decode (16-row programs), on 64-token KV tiles that leave room for two or three programs per
+# SM; none beat the rule by more than the noise. Earlier rounds (8 warps, 32-row programs for
+# block 16, 2-4 stages, 64-token tiles for block 16 at bs 8 and 32) are in benchmarks/RESULTS.md.
+_SMALL_TILE_VARIANTS = [{"pages_per_block": 4, "num_stages": 3}, {"pages_per_block": 4, "num_stages": 2},
+                        {"pages_per_block": 4, "num_stages": 4}, {"pages_per_block": 8, "num_stages": 2}]
 EXPLORE = {
-    (8, "verify", 16384): _VERIFY_VARIANTS,
-    (8, "draft", MAX_CTX): _VERIFY_VARIANTS,
-    (32, "verify", 4096): _VERIFY_VARIANTS,
-    (32, "verify", 16384): _VERIFY_VARIANTS,
+    (32, "verify@8", 512): _SMALL_TILE_VARIANTS,
+    (32, "verify@8", 4096): _SMALL_TILE_VARIANTS,
+    (32, "decode", 512): _SMALL_TILE_VARIANTS,
+    (32, "decode", 4096): _SMALL_TILE_VARIANTS,
+    (32, "verify", 512): _SMALL_TILE_VARIANTS,
 }
 
 
@@ -298,6 +300,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also split the per-call time of a few cases by kernel (profiler)")
     parser.add_argument("--skip-table", action="store_true")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -312,7 +315,7 @@ def main():
 
     results["copy"] = copy_bandwidth()
     log(results["copy"])
-    for batch in BATCHES:
+    for batch in map(int, args.batches.split(",")):
         cache = Cache(batch)
         if args.explore:
             results["explore"] += explore(cache, log)

@@ -164,6 +164,45 @@ def test_draft_attention(case, interpret, check):
     check(out, ref, dtype)
 
 
+# Long contexts on small KV tiles, so most steps take the unmasked loop and the masked edges
+# (a window's start inside a tile, the causal diagonal, a ragged end) land at every offset
+# within a tile and on both sides of a context split.
+EDGE_CASES = [("verify", 1, None, {"pages_per_block": 1, "num_splits": 3}),
+              ("verify", 16, None, {"pages_per_block": 2, "num_splits": 2}),
+              ("verify", 5, 45, {"pages_per_block": 1, "num_splits": 3}),
+              ("verify", 16, 100, {"pages_per_block": 2}),
+              ("draft", 16, None, {"pages_per_block": 1, "num_splits": 3}),
+              ("draft", 8, 37, {"pages_per_block": 2, "num_splits": 2})]
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: "-".join(map(str, c[:3])))
+def test_attention_unmasked_steps(case, interpret, check):
+    kind, q_len, window, tuning = case
+    rng = _rng("edges", case)
+    page_size, kv_heads, head_dim, group = 16, 2, 64, 4
+    lens = [q_len + 5 * page_size, q_len + int(rng.integers(3 * page_size, 12 * page_size)),
+            q_len + int(rng.integers(1, page_size))]
+    k, v, table = make_cache(rng, lens, pages_per_seq=-(-max(lens) // page_size) + 1,
+                             page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
+                             dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads * group, head_dim)), jnp.float32)
+    if kind == "verify":
+        start = jnp.asarray(lens, jnp.int32) - q_len
+        out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window,
+                                        interpret=interpret, **tuning)
+        ref = _reference(pk.paged_verify_attention_reference, q, k, v, table, start,
+                         sliding_window=window)
+    else:
+        ctx = jnp.asarray(lens, jnp.int32)
+        block_k, block_v = (jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads, head_dim)),
+                                        jnp.float32) for _ in range(2))
+        out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, sliding_window=window,
+                                       causal=False, interpret=interpret, **tuning)
+        ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v,
+                         sliding_window=window, causal=False)
+    check(out, ref, jnp.float32)
+
+
 def test_draft_attention_default_block_lens(interpret, check):
     rng = _rng("draft-default")
     k, v, table = make_cache(rng, [5, 40], pages_per_seq=4, page_size=16, kv_heads=2,
