@@ -7,9 +7,11 @@ whole machinery runs (draft, verify, commit, variable-length advance); only the 
 is replaced. Reports, against ceilings measured in the same run:
 
 - baseline decode ms/token at bs 1/8/32, context 512 and 4k, as a fraction of its byte roofline;
-- the DFlash step and its parts (draft, verify, commit) against their rooflines;
-- tok/s and speedup over the own baseline at alpha 0.86 / 0.68, bs 1/8/32, blocks 4/8/16;
-- the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine).
+- the DFlash step's parts (draft, verify, commit; context 512, block 16) against their rooflines;
+- tok/s and speedup over the own baseline at the same batch and context, alpha 0.86 / 0.68,
+  bs 1/8/32, every context, blocks 4/8/16;
+- the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine, at
+  REFERENCE_CONTEXT), and ours over it at equal acceptance.
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --out $OUT [--reference-json $OUT/reference.json]
 """
@@ -36,6 +38,8 @@ from dflash_jax import target as target_model  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 from dflash_jax.params import init_draft_params, init_target_params  # noqa: E402
+
+REFERENCE_CONTEXT = 512  # bench_reference.py's default context: ours is compared with it there
 
 
 def tau(alpha: float, block: int) -> float:
@@ -239,19 +243,20 @@ def main():
     e2e = report["e2e"] = {}
     if "e2e" not in skip:
         for batch in batches:
-            base = decode.get(f"bs{batch}_ctx512") or run_loop(target, None, batch, 512, 1, args.steps * 2, [None],
-                                                               args.repeats, rng, args.impl,
-                                                               args.steps_per_check)[None]
-            for block in blocks:
-                runs = run_loop(target, draft, batch, 512, block, args.steps, alphas, args.repeats, rng, args.impl,
-                                args.steps_per_check)
-                for alpha, r in runs.items():
-                    r.update(expected_tau=tau(alpha, block), baseline_tokens_per_s=base["tokens_per_s"],
-                             speedup=r["tokens_per_s"] / base["tokens_per_s"],
-                             step_roofline_ms=roof.dflash_step(batch, 512, block) * 1e3)
-                    r["step_fraction_of_roofline"] = r["step_roofline_ms"] / r["ms_per_step"]
-                    e2e[f"bs{batch}_block{block}_alpha{alpha}"] = r
-                    log("e2e", batch, block, alpha, r)
+            for context in contexts:
+                base = decode.get(f"bs{batch}_ctx{context}") or run_loop(
+                    target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng, args.impl,
+                    args.steps_per_check)[None]
+                for block in blocks:
+                    runs = run_loop(target, draft, batch, context, block, args.steps, alphas, args.repeats, rng,
+                                    args.impl, args.steps_per_check)
+                    for alpha, r in runs.items():
+                        r.update(expected_tau=tau(alpha, block), baseline_tokens_per_s=base["tokens_per_s"],
+                                 speedup=r["tokens_per_s"] / base["tokens_per_s"],
+                                 step_roofline_ms=roof.dflash_step(batch, context, block) * 1e3)
+                        r["step_fraction_of_roofline"] = r["step_roofline_ms"] / r["ms_per_step"]
+                        e2e[f"bs{batch}_ctx{context}_block{block}_alpha{alpha}"] = r
+                        log("e2e", batch, context, block, alpha, r)
 
     if args.reference_json and Path(args.reference_json).is_file():
         ref = json.loads(Path(args.reference_json).read_text())
@@ -259,7 +264,7 @@ def main():
         # ratio of tok/s is the ratio of step times at equal acceptance.
         ref["tokens_per_s_at"] = {}
         for a in alphas:
-            ours = e2e.get(f"bs1_block16_alpha{a}")
+            ours = e2e.get(f"bs1_ctx{REFERENCE_CONTEXT}_block16_alpha{a}")
             ref["tokens_per_s_at"][str(a)] = (ours["tokens_per_step"] if ours else tau(a, 16)) / ref["dflash_step_s"]
         report["reference"] = ref
     (out_dir / "bench_e2e.json").write_text(json.dumps(report, indent=2))
@@ -283,17 +288,18 @@ def print_table(report, alphas):
             print(f"  {name:<28} {r['draft_ms']:6.2f} ({r['draft_roofline_ms']:.2f})   "
                   f"{r['verify_ms']:6.2f} ({r['verify_roofline_ms']:.2f})   {r['commit_ms']:6.2f}")
     if report["e2e"]:
-        print("\nend to end (ctx 512)         tau   step ms (floor)  tok/s   baseline  speedup")
+        print("\nend to end                           tau   step ms (floor)  tok/s   baseline  speedup")
         for name, r in report["e2e"].items():
-            print(f"  {name:<26} {r['tokens_per_step']:5.2f} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f})"
+            print(f"  {name:<34} {r['tokens_per_step']:5.2f} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f})"
                   f" {r['tokens_per_s']:7.0f} {r['baseline_tokens_per_s']:8.0f} {r['speedup']:7.2f}x")
     ref = report.get("reference")
     if ref:
         print(f"\nreference (dflash {ref['torch']}): decode {ref['decode_step_s'] * 1e3:.2f} ms, DFlash step "
               f"{ref['dflash_step_s'] * 1e3:.2f} ms, tok/s at alpha " +
               ", ".join(f"{a}: {v:.0f}" for a, v in ref["tokens_per_s_at"].items()))
-        ours = {a: report["e2e"].get(f"bs1_block16_alpha{a}", {}).get("tokens_per_s") for a in alphas}
-        print("ours / reference at bs 1, block 16, same tau: " + ", ".join(
+        ours = {a: report["e2e"].get(f"bs1_ctx{REFERENCE_CONTEXT}_block16_alpha{a}", {}).get("tokens_per_s")
+                for a in alphas}
+        print(f"ours / reference at bs 1, ctx {REFERENCE_CONTEXT}, block 16, same tau: " + ", ".join(
             f"alpha {a}: {ours[a] / ref['tokens_per_s_at'][str(a)]:.1f}x" for a in alphas if ours[a]))
 
 
