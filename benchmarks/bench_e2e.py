@@ -10,8 +10,8 @@ is replaced. Reports, against ceilings measured in the same run:
 - the DFlash step's parts (draft, verify, commit; context 512, block 16) against their rooflines;
 - tok/s and speedup over the own baseline at the same batch and context, alpha 0.86 / 0.68,
   bs 1/8/32, every context, blocks 4/8/16;
-- the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine, at
-  REFERENCE_CONTEXT), and ours over it at equal acceptance.
+- the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine), and
+  ours over it at equal acceptance: bs 1, block 16, the reference's context.
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --out $OUT [--reference-json $OUT/reference.json]
 """
@@ -38,8 +38,6 @@ from dflash_jax import target as target_model  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 from dflash_jax.params import init_draft_params, init_target_params  # noqa: E402
-
-REFERENCE_CONTEXT = 512  # bench_reference.py's default context: ours is compared with it there
 
 
 def tau(alpha: float, block: int) -> float:
@@ -192,6 +190,8 @@ def main():
     parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
                         help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
     args = parser.parse_args()
+    if args.reference_json and not Path(args.reference_json).is_file():
+        parser.error(f"--reference-json {args.reference_json}: no such file (run bench_reference.py first)")
     auto_kernels = override_auto_kernels(args.auto_kernels)
     # Identical programs (a prefill shared by several block sizes) compile once.
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
@@ -258,13 +258,14 @@ def main():
                         e2e[f"bs{batch}_ctx{context}_block{block}_alpha{alpha}"] = r
                         log("e2e", batch, context, block, alpha, r)
 
-    if args.reference_json and Path(args.reference_json).is_file():
+    if args.reference_json:
         ref = json.loads(Path(args.reference_json).read_text())
         # At the acceptance our replay realized (the expected tau where ours did not run), so the
         # ratio of tok/s is the ratio of step times at equal acceptance.
-        ref["tokens_per_s_at"] = {}
+        ref["tokens_per_s_at"], ref["compared_with"] = {}, {}
         for a in alphas:
-            ours = e2e.get(f"bs1_ctx{REFERENCE_CONTEXT}_block16_alpha{a}")
+            key = ref["compared_with"][str(a)] = f"bs1_ctx{ref.get('context', 512)}_block16_alpha{a}"
+            ours = e2e.get(key)
             ref["tokens_per_s_at"][str(a)] = (ours["tokens_per_step"] if ours else tau(a, 16)) / ref["dflash_step_s"]
         report["reference"] = ref
     (out_dir / "bench_e2e.json").write_text(json.dumps(report, indent=2))
@@ -297,9 +298,8 @@ def print_table(report, alphas):
         print(f"\nreference (dflash {ref['torch']}): decode {ref['decode_step_s'] * 1e3:.2f} ms, DFlash step "
               f"{ref['dflash_step_s'] * 1e3:.2f} ms, tok/s at alpha " +
               ", ".join(f"{a}: {v:.0f}" for a, v in ref["tokens_per_s_at"].items()))
-        ours = {a: report["e2e"].get(f"bs1_ctx{REFERENCE_CONTEXT}_block16_alpha{a}", {}).get("tokens_per_s")
-                for a in alphas}
-        print(f"ours / reference at bs 1, ctx {REFERENCE_CONTEXT}, block 16, same tau: " + ", ".join(
+        ours = {a: report["e2e"].get(ref["compared_with"][str(a)], {}).get("tokens_per_s") for a in alphas}
+        print(f"ours / reference at bs 1, ctx {ref.get('context', 512)}, block 16, same tau: " + ", ".join(
             f"alpha {a}: {ours[a] / ref['tokens_per_s_at'][str(a)]:.1f}x" for a in alphas if ours[a]))
 
 
