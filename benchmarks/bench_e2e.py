@@ -260,11 +260,12 @@ def main():
 
     if args.reference_json:
         ref = json.loads(Path(args.reference_json).read_text())
+        ref.setdefault("context", 512)  # bench_reference.py's default; older JSONs did not say
         # At the acceptance our replay realized (the expected tau where ours did not run), so the
         # ratio of tok/s is the ratio of step times at equal acceptance.
         ref["tokens_per_s_at"], ref["compared_with"] = {}, {}
         for a in alphas:
-            key = ref["compared_with"][str(a)] = f"bs1_ctx{ref.get('context', 512)}_block16_alpha{a}"
+            key = ref["compared_with"][str(a)] = f"bs1_ctx{ref['context']}_block16_alpha{a}"
             ours = e2e.get(key)
             ref["tokens_per_s_at"][str(a)] = (ours["tokens_per_step"] if ours else tau(a, 16)) / ref["dflash_step_s"]
         report["reference"] = ref
@@ -299,7 +300,7 @@ def print_table(report, alphas):
               f"{ref['dflash_step_s'] * 1e3:.2f} ms, tok/s at alpha " +
               ", ".join(f"{a}: {v:.0f}" for a, v in ref["tokens_per_s_at"].items()))
         ours = {a: report["e2e"].get(ref["compared_with"][str(a)], {}).get("tokens_per_s") for a in alphas}
-        print(f"ours / reference at bs 1, ctx {ref.get('context', 512)}, block 16, same tau: " + ", ".join(
+        print(f"ours / reference at bs 1, ctx {ref['context']}, block 16, same tau: " + ", ".join(
             f"alpha {a}: {ours[a] / ref['tokens_per_s_at'][str(a)]:.1f}x" for a in alphas if ours[a]))
 
 
