@@ -151,14 +151,15 @@ def run_case(kind: str, cache: Cache, ctx: int, tuning: dict | None = None) -> d
             "GBps": nbytes / seconds / 1e9, "tuning": tuning}
 
 
-def device_breakdown(kind: str, cache: Cache, ctx: int, reps: int = 4) -> dict:
+def device_breakdown(kind: str, cache: Cache, ctx: int, tuning: dict | None = None,
+                     reps: int = 4) -> dict:
     """Per-call GPU time of each kernel launched by one call, read from a profiler trace, to
     split the per-call time into the attention kernel, the split merge and idle gaps."""
     import glob
     import tempfile
     from jax.profiler import ProfileData
     fn, q, rest, nbytes = make_case(kind, cache, ctx)
-    run = chain(fn, ())
+    run = chain(fn, tuple(sorted((tuning or {}).items())))
     args = (q, jnp.int32(reps), *rest)
     jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,7 +184,7 @@ def device_breakdown(kind: str, cache: Cache, ctx: int, reps: int = 4) -> dict:
                 "error": f"no GPU stream events; lines: {sorted(lines)}"}
     busy = sum(end - start for start, end in spans)
     top = max(kernels, key=kernels.get)
-    return {"kind": kind, "batch": cache.batch, "ctx": ctx,
+    return {"kind": kind, "batch": cache.batch, "ctx": ctx, "tuning": tuning or {},
             "span_us_per_call": (max(e for _, e in spans) - min(s for s, _ in spans)) / calls / 1e3,
             "busy_us_per_call": busy / calls / 1e3,
             "top_kernel": top, "top_kernel_us_per_call": kernels[top] / calls / 1e3,
@@ -194,7 +195,7 @@ def device_breakdown(kind: str, cache: Cache, ctx: int, reps: int = 4) -> dict:
 # 134 MB of KV (the smallest cases the 80% target covers), where the per-call time is furthest
 # from the bandwidth floor.
 PROFILE = [(1, "verify", MAX_CTX), (1, "decode", MAX_CTX), (1, "draft", MAX_CTX),
-           (8, "verify", 4096), (32, "verify", MAX_CTX)]
+           (8, "verify", 4096), (8, "decode", 4096), (8, "draft", 4096), (32, "verify", MAX_CTX)]
 
 
 def run_dense(batch: int, ctx: int, implementation: str) -> dict:

@@ -57,7 +57,19 @@ def summarize(events: list[dict], top: int, sequence_len: int) -> dict:
     ordered = sorted(events, key=lambda e: e["ts"])
     sequence = [(e["name"][:70], e["dur"], e["ts"] - (p["ts"] + p["dur"]))
                 for p, e in zip(ordered, ordered[1:])][:sequence_len]
+    # Idle stretches: time no kernel runs (kernels overlap under programmatic dependent launch,
+    # so gaps are measured against the latest end so far, not the previous kernel's end).
+    gaps, end, last = [], ordered[0]["ts"] + ordered[0]["dur"], ordered[0]
+    for e in ordered[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, last["name"][:50], e["name"][:50]))
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e
+    gaps.sort(reverse=True)
     return {"kernels": len(events), "busy_ms": busy / 1e3, "span_ms": span / 1e3,
+            "idle_ms": sum(g for g, _, _ in gaps) / 1e3,
+            "idle_over_20us_ms": sum(g for g, _, _ in gaps if g > 20) / 1e3,
+            "longest_gaps": [(round(g, 1), before, after) for g, before, after in gaps[:top // 2]],
             "top": [(name, round(us / 1e3, 3), counts[name]) for name, us in by_name.most_common(top)],
             "sequence": sequence}
 
@@ -102,7 +114,7 @@ def main():
         jax.profiler.stop_trace()
         summary = summarize(kernel_events(trace_dir), args.top, args.sequence)
         summary["wall_ms_per_step"] = wall / args.steps * 1e3
-        for key in ("busy_ms", "span_ms"):
+        for key in ("busy_ms", "span_ms", "idle_ms", "idle_over_20us_ms"):
             if key in summary:
                 summary[key.replace("_ms", "_ms_per_step")] = summary.pop(key) / args.steps
         report[name] = summary
@@ -110,7 +122,11 @@ def main():
     (out / "profile.json").write_text(json.dumps(report, indent=2))
     for name, s in report.items():
         print(f"\n== {name}: wall {s['wall_ms_per_step']:.2f} ms/step, GPU busy {s.get('busy_ms_per_step', 0):.2f}, "
-              f"span {s.get('span_ms_per_step', 0):.2f}, kernels/step {s['kernels'] / args.steps:.0f}")
+              f"span {s.get('span_ms_per_step', 0):.2f}, idle {s.get('idle_ms_per_step', 0):.2f} "
+              f"({s.get('idle_over_20us_ms_per_step', 0):.2f} in gaps > 20 us), "
+              f"kernels/step {s['kernels'] / args.steps:.0f}")
+        for gap, before, after in s.get("longest_gaps", []):
+            print(f"  gap {gap:8.1f} us  after {before}  before {after}")
         for kname, ms, count in s.get("top", []):
             print(f"  {ms / args.steps:7.3f} ms/step  x{count // args.steps:<4} {kname}")
         for kname, us, gap in s.get("sequence", []):

@@ -20,14 +20,16 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
 # What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
-# attention kernels beat XLA and cuDNN at every size (H100 and H200); the norm+RoPE kernels,
-# alone or fused with the page writes for a whole target layer (qkv_norm_rope_write), do not at
-# model sizes (H200, 2026-11-22: bs-1 decode 4.88 vs 4.77 ms, verify 5.74 vs 5.25 ms), nor does
-# the projection kernel with its norm/gate/residual fused (H100, 2026-11-22: bs-1 decode 6.73 vs
-# 6.86 ms, but bs-8 decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs 8.29), so auto keeps
-# XLA for those. "pallas" forces every kernel.
-AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": False, "write_kv": False,
-                "qkv_norm_rope_write": False, "fused_matmul": False}
+# attention kernels beat XLA and cuDNN at every size (H100 and H200). The norm+RoPE kernels (the
+# draft's q/k, its context K/V writes, and a target layer's whole attention input in one launch,
+# qkv_norm_rope_write) beat XLA's fusions since their rotary tables come precomputed (H200,
+# 2026-11-22, all three on vs off: bs-1 decode 4.60 vs 4.81 ms, bs-1 DFlash step 5.85 vs 6.13,
+# bs-8 decode 4.73 vs 4.92, bs-8 step 7.39 vs 7.64; with the trigonometry in the kernel they had
+# lost). The projection kernel with its norm/gate/residual fused does not (H100, 2026-11-22:
+# bs-1 decode 6.73 vs 6.86 ms, but bs-8 decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs
+# 8.29), so auto keeps XLA for projections. "pallas" forces every kernel.
+AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": True, "write_kv": True,
+                "qkv_norm_rope_write": True, "fused_matmul": False}
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:

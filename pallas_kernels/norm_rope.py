@@ -9,8 +9,9 @@ are aliased to the outputs, so a donated cache is updated in place); ``qkv_norm_
 does both for a target layer in one launch, reading q, k and v from the fused qkv projection.
 The kernels work on rows ``(token, head)`` of ``head_dim`` values, ``block_rows`` rows per
 program, and handle the two rotate-half halves as separate loads/stores (Triton has no lane
-shuffles). At model sizes XLA's fusions of the references measured faster on the H100 and H200
-(benchmarks/RESULTS.md), so the model runs these kernels only when asked (``impl="pallas"``).
+shuffles). The rotary cos/sin come in as per-token tables computed by XLA (``rope_half_tables``),
+not per row in the kernel. On the H200 the three kernels make the model 3-5% faster than XLA's
+fusions of the references (benchmarks/RESULTS.md), so ``impl="auto"`` runs them on GPU.
 """
 
 import functools
@@ -40,11 +41,17 @@ def _inv_freq(head_dim: int, theta: float) -> jax.Array:
     return jnp.asarray(1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim), jnp.float32)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin tables [..., head_dim] for integer positions [...]."""
+def rope_half_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., head_dim / 2] of each frequency at integer positions [...], rounded to dtype."""
     freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(head_dim, theta)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin tables [..., head_dim] for integer positions [...] (rotate-half layout: both
+    halves repeat the frequencies)."""
+    cos, sin = rope_half_tables(positions, head_dim, theta, dtype)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -97,11 +104,28 @@ def _weight_halves(w_ref):
     return tuple(w_ref[pl.ds(d, half)][None, :] for d in (0, half))
 
 
-def _norm_rope_halves(x1, x2, w1, w2, inv_ref, positions, *, eps: float, dtype):
+def _rope_rows(cos_ref, sin_ref, token, ok):
+    """cos, sin [rows, D/2] (f32) of each row's token from the tables [tokens, D/2]."""
+    half = cos_ref.shape[1]
+    index = (jnp.where(ok, token, 0)[:, None], lax.broadcasted_iota(jnp.int32, (1, half), 1))
+    mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], half))
+    return tuple(plgpu.load(ref.at[index], mask=mask, other=0).astype(jnp.float32)
+                 for ref in (cos_ref, sin_ref))
+
+
+def _rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype):
+    """The kernels' rotary inputs: cos, sin [tokens, D/2] for positions [B, T]. Computed by XLA
+    once per token (and, inside a model, once per step for all layers: the tables of equal
+    positions are one computation after CSE) rather than per (token, head) row in the kernel,
+    where the trigonometry was most of the time (H200: 10 us of norm_rope's 10.2 us at 256 rows)."""
+    return rope_half_tables(positions.reshape(-1), head_dim, theta, dtype)
+
+
+def _norm_rope_halves(x1, x2, w1, w2, cos, sin, *, eps: float, dtype):
     """RMSNorm (weight halves w1, w2 broadcast to the rows) then RoPE of rows given as f32 halves.
 
-    Rounds where the reference does (normed and weight product to ``dtype``, cos/sin to
-    ``dtype``) and does the rotation in f32.
+    cos, sin: [rows, D/2] f32, already rounded to ``dtype`` like the reference's tables. Rounds
+    where the reference does (normed and weight product to ``dtype``) and does the rotation in f32.
     """
     head_dim = 2 * x1.shape[1]
     inv_rms = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim + eps)
@@ -113,26 +137,25 @@ def _norm_rope_halves(x1, x2, w1, w2, inv_ref, positions, *, eps: float, dtype):
         return round_(round_(w) * round_(x * inv_rms[:, None]))
 
     n1, n2 = normed(x1, w1), normed(x2, w2)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_ref[...][None, :]
-    cos, sin = round_(jnp.cos(freqs)), round_(jnp.sin(freqs))
     return (n1 * cos - n2 * sin).astype(dtype), (n2 * cos + n1 * sin).astype(dtype)
 
 
-def _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows: int, *, eps: float):
-    """Rows [r0, r0 + block_rows) of x [rows, D], normalized and rotated: two [rows, D/2] halves."""
-    return _norm_rope_halves(*_load_halves(x_ref, r0, block_rows), *_weight_halves(w_ref), inv_ref,
-                             positions, eps=eps, dtype=x_ref.dtype)
+def _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows: int, *, eps: float):
+    """Rows [r0, r0 + block_rows) of x [rows, D] (row i belongs to token[i]), normalized and
+    rotated: two [rows, D/2] halves."""
+    ok, _ = _row_mask(r0, block_rows, x_ref.shape[0], 1)
+    return _norm_rope_halves(*_load_halves(x_ref, r0, block_rows), *_weight_halves(w_ref),
+                             *_rope_rows(cos_ref, sin_ref, token, ok), eps=eps, dtype=x_ref.dtype)
 
 
-def _norm_rope_kernel(pos_ref, x_ref, w_ref, inv_ref, o_ref, *, heads: int, block_rows: int,
+def _norm_rope_kernel(cos_ref, sin_ref, x_ref, w_ref, o_ref, *, heads: int, block_rows: int,
                       eps: float):
     r0 = pl.program_id(0) * block_rows
     num_rows, head_dim = x_ref.shape
     half = head_dim // 2
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    ok, mask = _row_mask(r0, block_rows, num_rows, half)
-    positions = plgpu.load(pos_ref.at[rows // heads], mask=ok, other=0)
-    out1, out2 = _norm_rope_rows(x_ref, w_ref, inv_ref, positions, r0, block_rows, eps=eps)
+    _, mask = _row_mask(r0, block_rows, num_rows, half)
+    out1, out2 = _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, rows // heads, r0, block_rows, eps=eps)
     plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(0, half)], out1, mask=mask)
     plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(half, half)], out2, mask=mask)
 
@@ -200,8 +223,7 @@ def norm_rope(x: jax.Array, weight: jax.Array, positions: jax.Array, *, eps: flo
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="norm_rope",
-    )(positions.reshape(-1).astype(jnp.int32), x.reshape(num_rows, head_dim), weight,
-      _inv_freq(head_dim, theta))
+    )(*_rope_tables(positions, head_dim, theta, x.dtype), x.reshape(num_rows, head_dim), weight)
     return out.reshape(x.shape)
 
 
@@ -220,7 +242,7 @@ def _store_rows(ref, index, ok, value) -> None:
     plgpu.store(ref.at[index], value, mask=jnp.broadcast_to(ok[:, None], value.shape))
 
 
-def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, inv_ref, _k_in, _v_in,
+def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, cos_ref, sin_ref, _k_in, _v_in,
                             k_pages_ref, v_pages_ref, *, q_len: int, heads: int,
                             block_rows: int, eps: float):
     r0 = pl.program_id(0) * block_rows
@@ -235,7 +257,7 @@ def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, inv_ref, _k_in
     # Dropped rows also point past the last page, so interpret mode's scatter drops them too.
     index = (jnp.where(ok, page, num_pages)[:, None], slot[:, None], head[:, None])
     first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-    k1, k2 = _norm_rope_rows(k_ref, w_ref, inv_ref, positions, r0, block_rows, eps=eps)
+    k1, k2 = _norm_rope_rows(k_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows, eps=eps)
     _store_rows(k_pages_ref, (*index, first), ok, k1)
     _store_rows(k_pages_ref, (*index, first + half), ok, k2)
     _, mask = _row_mask(r0, block_rows, num_rows, head_dim)
@@ -272,12 +294,13 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
         grid=(pl.cdiv(num_rows, block_rows),),
         out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={6: 0, 7: 1},
+        input_output_aliases={7: 0, 8: 1},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="norm_rope_write",
     )(positions.reshape(-1).astype(jnp.int32), page_table, k.reshape(num_rows, head_dim),
-      v.reshape(num_rows, head_dim), k_norm_weight, _inv_freq(head_dim, theta), k_pages, v_pages)
+      v.reshape(num_rows, head_dim), k_norm_weight, *_rope_tables(positions, head_dim, theta, k.dtype),
+      k_pages, v_pages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +328,7 @@ def qkv_norm_rope_write_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_no
                                           eps=eps, theta=theta))
 
 
-def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, inv_ref, _k_in, _v_in,
+def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, cos_ref, sin_ref, _k_in, _v_in,
                                 q_ref, k_pages_ref, v_pages_ref, *, q_len: int, num_heads: int,
                                 num_kv_heads: int, block_rows: int, eps: float):
     """Rows of x are (token, slot) for slot in q heads | k heads | v heads."""
@@ -323,8 +346,8 @@ def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, inv_ref,
     x1, x2 = _load_halves(x_ref, r0, block_rows)
     (qw1, qw2), (kw1, kw2) = _weight_halves(qw_ref), _weight_halves(kw_ref)
     select = lambda q_part, k_part: jnp.where(is_q[:, None], q_part, k_part)  # noqa: E731
-    r1, r2 = _norm_rope_halves(x1, x2, select(qw1, kw1), select(qw2, kw2), inv_ref, positions,
-                               eps=eps, dtype=x_ref.dtype)
+    r1, r2 = _norm_rope_halves(x1, x2, select(qw1, kw1), select(qw2, kw2),
+                               *_rope_rows(cos_ref, sin_ref, token, in_rows), eps=eps, dtype=x_ref.dtype)
     first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
     # Rows that are not written point past the end of their output too, so that interpret mode's
     # scatter drops them as well.
@@ -379,10 +402,10 @@ def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight:
         out_shape=(jax.ShapeDtypeStruct((batch * q_len * num_heads, head_dim), qkv.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={6: 1, 7: 2},
+        input_output_aliases={7: 1, 8: 2},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="qkv_norm_rope_write",
     )(positions.reshape(-1).astype(jnp.int32), page_table, qkv.reshape(num_rows, head_dim),
-      q_norm_weight, k_norm_weight, _inv_freq(head_dim, theta), k_pages, v_pages)
+      q_norm_weight, k_norm_weight, *_rope_tables(positions, head_dim, theta, qkv.dtype), k_pages, v_pages)
     return q.reshape(q_shape), k_pages, v_pages
