@@ -12,8 +12,8 @@ cudnn and xla).
 
     PYTHONPATH=. python3 benchmarks/bench_kernels.py --out $OUT [--explore] [--profile]
 
---profile splits the per-call time of the 134 MB cases by kernel with the JAX profiler
-(attention kernel alone vs the split merge and launch gaps).
+--profile splits the per-call time of the 134 MB cases (and of the --explore variants) by kernel
+with the JAX profiler (attention kernel alone vs the split merge and launch gaps).
 
 Also timed: norm_rope of one verify step's queries and norm_rope_write of its K/V into the
 cache, each against its plain-XLA reference (launch-bound sizes: reported as time per call).
@@ -269,7 +269,20 @@ def run_rows(cache: Cache, log) -> list[dict]:
 # block 16, 2-4 stages, 64-token tiles for block 16 at bs 8 and 32) are in benchmarks/RESULTS.md.
 _SMALL_TILE_VARIANTS = [{"pages_per_block": 4, "num_stages": 3}, {"pages_per_block": 4, "num_stages": 2},
                         {"pages_per_block": 4, "num_stages": 4}, {"pages_per_block": 8, "num_stages": 2}]
+# Fifth round (H200, 2026-11-22): fewer and more context splits for the 134 MB cells, each timed
+# after the rule itself; none beat the rule (benchmarks/RESULTS.md).
+_FEWER_MORE_SPLITS = {
+    (1, "verify", MAX_CTX): [{"num_splits": 8}, {"num_splits": 32},
+                             {"num_splits": 16, "pages_per_block": 4, "num_stages": 5}],
+    (1, "decode", MAX_CTX): [{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 64}],
+    (1, "draft", MAX_CTX): [{"num_splits": 8}, {"num_splits": 32}],
+    (8, "verify", 4096): [{"num_splits": 1}, {"num_splits": 1, "pages_per_block": 4, "num_stages": 5},
+                          {"num_splits": 4}],
+    (8, "decode", 4096): [{"num_splits": 1}, {"num_splits": 2}, {"num_splits": 8}],
+    (8, "draft", 4096): [{"num_splits": 1}, {"num_splits": 4}],
+}
 EXPLORE = {
+    **_FEWER_MORE_SPLITS,
     (32, "verify@8", 512): _SMALL_TILE_VARIANTS,
     (32, "verify@8", 4096): _SMALL_TILE_VARIANTS,
     (32, "decode", 512): _SMALL_TILE_VARIANTS,
@@ -278,7 +291,8 @@ EXPLORE = {
 }
 
 
-def explore(cache: Cache, log) -> list[dict]:
+def explore(cache: Cache, log, profile: bool = False) -> list[dict]:
+    """Time the EXPLORE variants of this batch (and, with ``profile``, their kernels' device time)."""
     rows = []
     for (batch, kind, ctx), variants in EXPLORE.items():
         if batch != cache.batch:
@@ -286,6 +300,8 @@ def explore(cache: Cache, log) -> list[dict]:
         for tuning in [{}] + variants:
             try:
                 row = run_case(kind, cache, ctx, tuning)
+                if profile:
+                    row["profile"] = device_breakdown(kind, cache, ctx, tuning)
             except Exception as e:  # a variant that does not compile is a result too
                 row = {"kind": kind, "batch": batch, "ctx": ctx, "tuning": tuning,
                        "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -319,7 +335,7 @@ def main():
     for batch in map(int, args.batches.split(",")):
         cache = Cache(batch)
         if args.explore:
-            results["explore"] += explore(cache, log)
+            results["explore"] += explore(cache, log, profile=args.profile)
         if args.profile:
             for batch_, kind, ctx in PROFILE:
                 if batch_ == batch:
@@ -351,13 +367,14 @@ def print_table(results):
     print(f"\n{results['device']}, jax {results['jax']}, {results['date']}; copy bandwidth "
           + ", ".join(f"{k} {v:.0f}" for k, v in results["copy"].items()))
     if results["explore"]:
-        print("\n| kind | batch | ctx | tuning | us | GB/s |\n|---|---|---|---|---|---|")
+        print("\n| kind | batch | ctx | tuning | us | GB/s | kernel us (profiler) |\n|---|---|---|---|---|---|---|")
         for r in results["explore"]:
             if "error" in r:
-                print(f"| {r['kind']} | {r['batch']} | {r['ctx']} | {r['tuning']} | error | |")
+                print(f"| {r['kind']} | {r['batch']} | {r['ctx']} | {r['tuning']} | error | | |")
             else:
+                kernel = r.get("profile", {}).get("top_kernel_us_per_call")
                 print(f"| {r['kind']} | {r['batch']} | {r['ctx']} | {r['tuning']} | "
-                      f"{r['us']:.1f} | {r['GBps']:.0f} |")
+                      f"{r['us']:.1f} | {r['GBps']:.0f} | {'' if kernel is None else f'{kernel:.1f}'} |")
     for r in results["profile"]:
         if "error" not in r:
             print(f"profile {r['kind']} b={r['batch']} ctx={r['ctx']}: span "
