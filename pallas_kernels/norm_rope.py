@@ -116,8 +116,9 @@ def _rope_rows(cos_ref, sin_ref, token, ok):
 def _rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype):
     """The kernels' rotary inputs: cos, sin [tokens, D/2] for positions [B, T]. Computed by XLA
     once per token (and, inside a model, once per step for all layers: the tables of equal
-    positions are one computation after CSE) rather than per (token, head) row in the kernel,
-    where the trigonometry was most of the time (H200: 10 us of norm_rope's 10.2 us at 256 rows)."""
+    positions are one computation after CSE) rather than per (token, head) row in the kernel.
+    H200, 256 rows: with the trigonometry in the kernel, norm_rope took 10.2 us of device time,
+    15.0 us per call in a loop; with the tables, 5.2 us per call."""
     return rope_half_tables(positions.reshape(-1), head_dim, theta, dtype)
 
 
