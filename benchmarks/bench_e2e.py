@@ -31,13 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, measure_ceilings, median_seconds, override_auto_kernels  # noqa: E402
+from common import SHAPES, measure_ceilings, median_seconds, override_auto_kernels, random_models  # noqa: E402
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
-from dflash_jax.params import init_draft_params, init_target_params  # noqa: E402
 
 
 def tau(alpha: float, block: int) -> float:
@@ -212,11 +211,7 @@ def main():
     report["steps_per_check"] = args.steps_per_check
     report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib)
     log("ceilings", ceilings)
-    target_config, draft_config = SHAPES[args.shape]
-    target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(
-        target_config, jax.random.key(0), jnp.bfloat16))
-    draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
-        draft_config, jax.random.key(1), jnp.bfloat16))
+    target, draft = random_models(args.shape)
     roof = Roofline(target, draft, ceilings)
     report["bytes"] = {"target_weights": roof.target_weights, "draft_weights_with_lm_head": roof.draft_weights}
 

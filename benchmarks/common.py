@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.models import Draft, Target
+from dflash_jax.params import init_draft_params, init_target_params
 
 QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -98,3 +100,14 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_la
 TINY_DRAFT = DraftConfig(model=dataclasses.replace(TINY, num_layers=2, layer_types=()), block_size=16,
                          mask_token_id=511, target_layer_ids=(1, 2), num_target_layers=4)
 SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "tiny": (TINY, TINY_DRAFT)}
+
+
+def random_models(shape: str) -> tuple[Target, Draft]:
+    """A bf16 target and draft of ``SHAPES[shape]`` with random weights (speed does not depend
+    on their values)."""
+    target_config, draft_config = SHAPES[shape]
+    target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(
+        target_config, jax.random.key(0), jnp.bfloat16))
+    draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
+        draft_config, jax.random.key(1), jnp.bfloat16))
+    return target, draft

@@ -18,14 +18,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, override_auto_kernels  # noqa: E402
+from common import SHAPES, override_auto_kernels, random_models  # noqa: E402
 
 from dflash_jax.generate import prepare  # noqa: E402
-from dflash_jax.models import Draft, Target  # noqa: E402
-from dflash_jax.params import init_draft_params, init_target_params  # noqa: E402
 
 
 def kernel_events(trace_dir: Path) -> list[dict]:
@@ -91,11 +88,7 @@ def main():
     args = parser.parse_args()
     override_auto_kernels(args.auto_kernels)
     out = Path(args.out)
-    target_config, draft_config = SHAPES[args.shape]
-    target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(
-        target_config, jax.random.key(0), jnp.bfloat16))
-    draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
-        draft_config, jax.random.key(1), jnp.bfloat16))
+    target, draft = random_models(args.shape)
     prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
     report = {}
     for name, use_draft in (("decode", None), ("dflash", draft)):

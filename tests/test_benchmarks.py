@@ -45,3 +45,26 @@ def test_bench_e2e_rejects_a_missing_reference_json_before_running(tmp_path):
     assert done.returncode == 2
     assert "no such file" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
+                           "--op", "norm_rope", "--cases", "1:0:16,2:4", "--rounds", "2", "--steps", "2",
+                           "--repeats", "1", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "ab_kernels.json").read_text())["rows"]
+    settings = [(r["round"], r["on"], r["batch"], r["block"], r["context"]) for r in rows]
+    assert settings == [(n, on, *case) for n in (0, 1) for on in (True, False)
+                        for case in ((1, 0, 16), (2, 4, 512))]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    assert "| bs 2, ctx 512, DFlash block 4 |" in done.stdout
+
+
+def test_ab_kernels_rejects_a_malformed_case():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
+                           "--op", "norm_rope", "--cases", "1-16"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "batch:block[:context]" in done.stderr
