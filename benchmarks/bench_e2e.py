@@ -144,8 +144,11 @@ def time_parts(target, draft, batch, context, block, iterations, repeats, rng, i
     @functools.partial(jax.jit, static_argnames="n", donate_argnames="cache")
     def commit_chain(dp, cache, taps, n):
         positions = cache.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
+        kv_proj = draft_model.context_kv_proj(dp)  # once, as the decode loop does
+
         def body(i, cache):
-            return draft_model.write_context(dp, config.draft, taps, positions, cache, impl=config.impl)
+            return draft_model.write_context(dp, config.draft, taps, positions, cache, impl=config.impl,
+                                             kv_proj=kv_proj)
         return jax.lax.fori_loop(0, n, body, cache)
 
     last = state.last_token

@@ -146,8 +146,10 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
 
 
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                config: LoopConfig, replay_alpha: jax.Array | None = None) -> DecodeState:
-    """One speculation step (draft, verify, accept, commit) for every unfinished sequence."""
+                config: LoopConfig, replay_alpha: jax.Array | None = None,
+                context_kv_proj: tuple[jax.Array, ...] | None = None) -> DecodeState:
+    """One speculation step (draft, verify, accept, commit) for every unfinished sequence.
+    ``context_kv_proj``: ``draft_model.context_kv_proj(draft)``, made once outside the loop."""
     cache = state.cache
     start = cache.lengths
     active = ~state.done
@@ -182,7 +184,8 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     num_generated = state.num_generated + produced
     if config.draft is not None:
         positions = start[:, None] + slots
-        cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
+        cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl,
+                                          kv_proj=context_kv_proj)
     cache = cache.replace(lengths=start + produced)
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), state.steps].set(produced, mode="drop")
@@ -228,7 +231,10 @@ def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
     def running(s: DecodeState):
         return (s.iteration < stop_at) & ~jnp.all(s.done)
 
+    kv_proj = None if draft is None else draft_model.context_kv_proj(draft)
+
     def steps(s: DecodeState) -> DecodeState:
-        return jax.lax.fori_loop(0, steps_per_check, lambda _, s: decode_step(target, draft, s, config, replay_alpha), s)
+        return jax.lax.fori_loop(0, steps_per_check,
+                                 lambda _, s: decode_step(target, draft, s, config, replay_alpha, kv_proj), s)
 
     return jax.lax.while_loop(running, steps, state)
