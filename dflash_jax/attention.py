@@ -25,9 +25,10 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 # qkv_norm_rope_write) beat XLA's fusions since their rotary tables come precomputed (H200,
 # 2026-11-22, all three on vs off: bs-1 decode 4.60 vs 4.81 ms, bs-1 DFlash step 5.85 vs 6.13,
 # bs-8 decode 4.73 vs 4.92, bs-8 step 7.39 vs 7.64; H100: bs-1 step 7.69 vs 7.99, bs-8 step 9.29
-# vs 9.65; with the trigonometry in the kernel they had lost). The projection kernel with its norm/gate/residual fused does not (H100, 2026-11-22:
-# bs-1 decode 6.73 vs 6.86 ms, but bs-8 decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs
-# 8.29), so auto keeps XLA for projections. "pallas" forces every kernel.
+# vs 9.65; with the trigonometry in the kernel they had lost). The projection kernel with its
+# norm/gate/residual fused does not (H100, 2026-11-22: bs-1 decode 6.73 vs 6.86 ms, but bs-8
+# decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs 8.29), so auto keeps XLA for projections.
+# "pallas" forces every kernel. benchmarks/ab_kernels.py re-measures one op on vs off.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": True, "write_kv": True,
                 "qkv_norm_rope_write": True, "fused_matmul": False}
 

@@ -109,8 +109,8 @@ def attend_pages(q, k_ref, v_ref, pt_ref, carry, *, kv_begin, kv_end, row_end, r
     sequence). Steps cover ``pages_per_block`` pages starting at the page holding kv_begin; the
     steps are divided evenly among ``num_splits`` programs and this one runs part ``split``.
     Nothing outside [kv_begin, kv_end) or past the page table is read (the edge steps mask their
-    loads per token). Row r sees key position p iff row_lo[r] < p < row_end[r] (either bound may be None;
-    ``kv_begin`` is the Python int 0 when there is no window).
+    loads per token). Row r sees key position p iff row_lo[r] < p < row_end[r] (either bound may
+    be None; ``kv_begin`` is the Python int 0 when there is no window).
 
     Steps whose keys every row sees run in a loop of their own with no masks: no per-token
     bounds, no score masking (H200: verify and draft 8-20% faster on long contexts). Only the
