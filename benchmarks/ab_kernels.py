@@ -8,7 +8,7 @@ and prints both columns side by side. Cases are ``batch:block[:context]``; block
 decode, otherwise DFlash under acceptance replay at ``--alpha``. Random weights at the Qwen3-8B
 shape, as in bench_e2e.py.
 
-    PYTHONPATH=. python3 benchmarks/ab_kernels.py --op norm_rope --cases 1:0,1:16,8:16,32:8 --out $OUT
+    PYTHONPATH=. python3 benchmarks/ab_kernels.py --op write_kv --cases 1:0,1:16,8:16,32:8 --out $OUT
 """
 
 from __future__ import annotations

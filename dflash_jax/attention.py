@@ -20,17 +20,17 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
 # What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
-# attention kernels beat XLA and cuDNN at every size (H100 and H200). The norm+RoPE kernels (the
-# draft's q/k, its context K/V writes, and a target layer's whole attention input in one launch,
+# attention kernels beat XLA and cuDNN at every size (H100 and H200). The norm+RoPE kernels that
+# write pages (the draft's context K/V, and a target layer's whole attention input in one launch,
 # qkv_norm_rope_write) beat XLA's fusions since their rotary tables come precomputed (H200,
-# 2026-11-22, all three on vs off: bs-1 decode 4.60 vs 4.81 ms, bs-1 DFlash step 5.85 vs 6.13,
-# bs-8 decode 4.73 vs 4.92, bs-8 step 7.39 vs 7.64; H100: bs-1 step 7.69 vs 7.99, bs-8 step 9.29
-# vs 9.65; with the trigonometry in the kernel they had lost). The projection kernel with its
-# norm/gate/residual fused does not (H100, 2026-11-22: bs-1 decode 6.73 vs 6.86 ms, but bs-8
-# decode 7.02 vs 6.48 and the bs-1 DFlash step 8.97 vs 8.29), so auto keeps XLA for projections.
-# "pallas" forces every kernel. benchmarks/ab_kernels.py re-measures one op on vs off.
-AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "norm_rope": True, "write_kv": True,
-                "qkv_norm_rope_write": True, "fused_matmul": False}
+# 2026-11-22, bs-1 decode 4.61-4.70 vs 4.79-4.88 ms, bs-1 DFlash step 5.90-5.93 vs 6.10-6.21; with
+# the trigonometry in the kernel they had lost). The draft block's qkv_norm_rope is level with XLA
+# (H200, 2026-11-22, bs-1 DFlash step 5.76-5.81 vs 5.77-5.79 ms), and the projection kernel with
+# its norm/gate/residual fused loses (H100, 2026-11-22: bs-8 decode 7.02 vs 6.48 ms, bs-1 DFlash
+# step 8.97 vs 8.29), so auto keeps XLA for both. "pallas" forces every kernel.
+# benchmarks/ab_kernels.py re-measures one op on vs off.
+AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
+                "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": False}
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
@@ -73,12 +73,14 @@ def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, bloc
                                     **_kernel_kwargs(impl))
 
 
-def norm_rope(x, weight, positions, *, eps, theta, impl):
-    """Per-head RMSNorm + RoPE of x [B, T, heads, head_dim]."""
-    impl = resolve_impl(impl, "norm_rope")
+def qkv_norm_rope(qkv, q_norm, k_norm, positions, *, num_heads, num_kv_heads, eps, theta, impl):
+    """The draft block's attention input from its fused projection qkv [B, T, (Hq + 2 Hkv) * D]:
+    (norm_rope(q) [B, T, Hq, D], norm_rope(k) [B, T, Hkv, D], v [B, T, Hkv, D])."""
+    impl = resolve_impl(impl, "qkv_norm_rope")
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, theta=theta)
     if impl == "reference":
-        return pk.norm_rope_reference(x, weight, positions, eps=eps, theta=theta)
-    return pk.norm_rope(x, weight, positions, eps=eps, theta=theta, **_kernel_kwargs(impl))
+        return pk.qkv_norm_rope_reference(qkv, q_norm, k_norm, positions, **kw)
+    return pk.qkv_norm_rope(qkv, q_norm, k_norm, positions, **kw, **_kernel_kwargs(impl))
 
 
 def write_kv(k, v, k_norm, positions, k_pages, v_pages, page_table, *, eps, theta, impl):

@@ -64,10 +64,9 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
     model = config.model
     eps, theta = model.rms_norm_eps, model.rope_theta
     for index, layer in enumerate(params.layers):
-        q, k, v = split_qkv(attention.project(x, layer.qkv_proj, norm_weight=layer.input_norm, eps=eps,
-                                              impl=impl), model.num_heads, model.num_kv_heads)
-        q = attention.norm_rope(q, layer.q_norm, positions, eps=eps, theta=theta, impl=impl)
-        k = attention.norm_rope(k, layer.k_norm, positions, eps=eps, theta=theta, impl=impl)
+        qkv = attention.project(x, layer.qkv_proj, norm_weight=layer.input_norm, eps=eps, impl=impl)
+        q, k, v = attention.qkv_norm_rope(qkv, layer.q_norm, layer.k_norm, positions, num_heads=model.num_heads,
+                                          num_kv_heads=model.num_kv_heads, eps=eps, theta=theta, impl=impl)
         out = attend(index, q, k, v)
         x = attention_output_and_mlp(x, out, layer, eps, impl)
     return rms_norm(x, params.norm, eps)

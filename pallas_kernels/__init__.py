@@ -7,9 +7,10 @@ at ``pages[page_table[b, p // page_size], p % page_size]``.
 """
 
 from pallas_kernels.paging import gather_pages, write_pages
-from pallas_kernels.norm_rope import (apply_rope, norm_rope, norm_rope_reference, norm_rope_write,
-                                      norm_rope_write_reference, qkv_norm_rope_write,
-                                      qkv_norm_rope_write_reference, rms_norm, split_qkv)
+from pallas_kernels.norm_rope import (apply_rope, norm_rope_reference, norm_rope_write,
+                                      norm_rope_write_reference, qkv_norm_rope, qkv_norm_rope_reference,
+                                      qkv_norm_rope_write, qkv_norm_rope_write_reference, rms_norm,
+                                      split_qkv)
 from pallas_kernels.fused_matmul import fused_matmul, fused_matmul_reference
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
@@ -19,10 +20,11 @@ __all__ = [
     "write_pages",
     "apply_rope",
     "rms_norm",
-    "norm_rope",
     "norm_rope_reference",
     "norm_rope_write",
     "norm_rope_write_reference",
+    "qkv_norm_rope",
+    "qkv_norm_rope_reference",
     "qkv_norm_rope_write",
     "qkv_norm_rope_write_reference",
     "split_qkv",

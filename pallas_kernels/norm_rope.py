@@ -3,15 +3,18 @@
 Math follows HF Qwen3: RMSNorm in f32, cast back, times the weight; RoPE with
 ``inv_freq = theta ** (-2i / head_dim)``, rotate-half layout, cos/sin cast to the input dtype.
 
-``norm_rope`` fuses the per-head RMSNorm and RoPE of q (one read, one write); ``norm_rope_write``
-does the same for k and scatters it, with v unchanged, straight into the paged cache (the pages
-are aliased to the outputs, so a donated cache is updated in place); ``qkv_norm_rope_write``
-does both for a target layer in one launch, reading q, k and v from the fused qkv projection.
-The kernels work on rows ``(token, head)`` of ``head_dim`` values, ``block_rows`` rows per
-program, and handle the two rotate-half halves as separate loads/stores (Triton has no lane
-shuffles). The rotary cos/sin come in as per-token tables computed by XLA (``rope_half_tables``),
-not per row in the kernel. On the H200 the three kernels make the model 3-5% faster than XLA's
-fusions of the references (benchmarks/RESULTS.md), so ``impl="auto"`` runs them on GPU.
+``norm_rope_write`` fuses k's per-head RMSNorm and RoPE and scatters it, with v unchanged,
+straight into the paged cache (the pages are aliased to the outputs, so a donated cache is
+updated in place). ``qkv_norm_rope_write`` does a target layer's whole attention input in one
+launch, reading q, k and v from the fused qkv projection: q normed and rotated out, k and v into
+their pages; ``qkv_norm_rope`` is the same kernel returning k and v instead (the draft's block,
+which never enters the cache). The kernels work on rows ``(token, head)`` of ``head_dim``
+values, ``block_rows`` rows per program, and handle the two rotate-half halves as separate
+loads/stores (Triton has no lane shuffles). The rotary cos/sin come in as per-token tables
+computed by XLA (``rope_half_tables``), not per row in the kernel. On the H200 the page-writing
+kernels make the model 3-5% faster than XLA's fusions of the references, so ``impl="auto"`` runs
+them on GPU; ``qkv_norm_rope`` measured level with XLA there, so auto leaves it to XLA
+(benchmarks/RESULTS.md).
 """
 
 import functools
@@ -149,18 +152,6 @@ def _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows: int, 
                              *_rope_rows(cos_ref, sin_ref, token, ok), eps=eps, dtype=x_ref.dtype)
 
 
-def _norm_rope_kernel(cos_ref, sin_ref, x_ref, w_ref, o_ref, *, heads: int, block_rows: int,
-                      eps: float):
-    r0 = pl.program_id(0) * block_rows
-    num_rows, head_dim = x_ref.shape
-    half = head_dim // 2
-    rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    _, mask = _row_mask(r0, block_rows, num_rows, half)
-    out1, out2 = _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, rows // heads, r0, block_rows, eps=eps)
-    plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(0, half)], out1, mask=mask)
-    plgpu.store(o_ref.at[pl.ds(r0, block_rows), pl.ds(half, half)], out2, mask=mask)
-
-
 def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array) -> None:
     if x.ndim != 4:
         raise ValueError(f"{name} must be [batch, T, heads, head_dim], got shape {x.shape}")
@@ -201,31 +192,6 @@ def _rows_per_program(block_rows: int | None, num_rows: int) -> int:
 
 def _compiler_params(num_warps: int | None, num_stages: int | None):
     return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 1)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret", "block_rows",
-                                             "num_warps", "num_stages"))
-def norm_rope(x: jax.Array, weight: jax.Array, positions: jax.Array, *, eps: float, theta: float,
-              interpret: bool = False, block_rows: int | None = None,
-              num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
-    """Pallas version of ``norm_rope_reference``: x [B, T, H, D], weight [D], positions [B, T].
-
-    block_rows (rows of one head's D values per program) defaults to ``tuning.row_block``.
-    """
-    _check_rows("x", x, weight, positions)
-    batch, q_len, heads, head_dim = x.shape
-    num_rows = batch * q_len * heads
-    block_rows = _rows_per_program(block_rows, num_rows)
-    kernel = functools.partial(_norm_rope_kernel, heads=heads, block_rows=block_rows, eps=eps)
-    out = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(num_rows, block_rows),),
-        out_shape=jax.ShapeDtypeStruct((num_rows, head_dim), x.dtype),
-        compiler_params=_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="norm_rope",
-    )(*_rope_tables(positions, head_dim, theta, x.dtype), x.reshape(num_rows, head_dim), weight)
-    return out.reshape(x.shape)
 
 
 def _page_addresses(positions, ok, pt_ref, seq, num_pages: int, page_size: int):
@@ -305,8 +271,10 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole attention input of a target layer in one kernel: q, k, v straight from the fused
-# qkv projection; q normed and rotated out, k normed and rotated into its pages, v into its pages.
+# A layer's whole attention input in one kernel, read from its fused qkv projection: q and k
+# normed and rotated, v as it is. ``qkv_norm_rope`` returns all three (the draft's block, which
+# never enters the cache); ``qkv_norm_rope_write`` returns q and stores k and v into their pages
+# (a target layer's new tokens).
 
 
 def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -317,25 +285,38 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Ar
             heads[..., num_heads + num_kv_heads:, :])
 
 
+def qkv_norm_rope_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
+                            positions: jax.Array, *, num_heads: int, num_kv_heads: int, eps: float,
+                            theta: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv [B, T, (Hq + 2 Hkv) * D] at ``positions`` [B, T] -> (norm_rope(q) [B, T, Hq, D],
+    norm_rope(k) [B, T, Hkv, D], v [B, T, Hkv, D])."""
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
+    return (norm_rope_reference(q, q_norm_weight, positions, eps=eps, theta=theta),
+            norm_rope_reference(k, k_norm_weight, positions, eps=eps, theta=theta), v)
+
+
 def qkv_norm_rope_write_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
                                   positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   page_table: jax.Array, *, num_heads: int, num_kv_heads: int,
                                   eps: float, theta: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qkv [B, T, (Hq + 2 Hkv) * D] at ``positions`` [B, T] -> (norm_rope(q) [B, T, Hq, D],
     k_pages, v_pages with norm_rope(k) and v stored)."""
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
-    q = norm_rope_reference(q, q_norm_weight, positions, eps=eps, theta=theta)
-    return (q, *norm_rope_write_reference(k, v, k_norm_weight, positions, k_pages, v_pages, page_table,
-                                          eps=eps, theta=theta))
+    q, k, v = qkv_norm_rope_reference(qkv, q_norm_weight, k_norm_weight, positions, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, eps=eps, theta=theta)
+    return (q, write_pages(k_pages, page_table, positions, k),
+            write_pages(v_pages, page_table, positions, v))
 
 
-def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, cos_ref, sin_ref, _k_in, _v_in,
-                                q_ref, k_pages_ref, v_pages_ref, *, q_len: int, num_heads: int,
-                                num_kv_heads: int, block_rows: int, eps: float):
-    """Rows of x are (token, slot) for slot in q heads | k heads | v heads."""
+def _qkv_norm_rope_kernel(*refs, paged: bool, q_len: int, num_heads: int, num_kv_heads: int,
+                          block_rows: int, eps: float):
+    """Rows of x are (token, slot) for slot in q heads | k heads | v heads. Refs: x, the q and k
+    norm weights, cos, sin, then (when ``paged``) positions, the page table and the aliased input
+    pages, and the outputs: q [tokens * Hq, D] and either the k and v pages or k and v
+    [tokens * Hkv, D]."""
+    x_ref, qw_ref, kw_ref, cos_ref, sin_ref, *rest = refs
+    q_ref, k_ref, v_ref = rest[-3:]
     r0 = pl.program_id(0) * block_rows
     num_rows, head_dim = x_ref.shape
-    num_pages, page_size = k_pages_ref.shape[:2]
     half = head_dim // 2
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     slots = num_heads + 2 * num_kv_heads
@@ -343,7 +324,6 @@ def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, cos_ref,
     in_rows = rows < num_rows
     is_q, is_v = slot < num_heads, slot >= num_heads + num_kv_heads
     is_k = ~is_q & ~is_v
-    positions = plgpu.load(pos_ref.at[token], mask=in_rows, other=0)
     x1, x2 = _load_halves(x_ref, r0, block_rows)
     (qw1, qw2), (kw1, kw2) = _weight_halves(qw_ref), _weight_halves(kw_ref)
     select = lambda q_part, k_part: jnp.where(is_q[:, None], q_part, k_part)  # noqa: E731
@@ -357,20 +337,97 @@ def _qkv_norm_rope_write_kernel(pos_ref, pt_ref, x_ref, qw_ref, kw_ref, cos_ref,
     _store_rows(q_ref, (q_row, first), q_ok, r1)
     _store_rows(q_ref, (q_row, first + half), q_ok, r2)
 
-    page, page_slot, ok = _page_addresses(positions, in_rows & ~is_q, pt_ref, token // q_len, num_pages,
-                                          page_size)
+    if paged:
+        pos_ref, pt_ref = rest[:2]
+        num_pages, page_size = k_ref.shape[:2]
+        positions = plgpu.load(pos_ref.at[token], mask=in_rows, other=0)
+        page, page_slot, ok = _page_addresses(positions, in_rows & ~is_q, pt_ref, token // q_len,
+                                              num_pages, page_size)
+    else:
+        ok = in_rows
     for kind, ref, head, (v1, v2) in (
-            (is_k, k_pages_ref, slot - num_heads, (r1, r2)),
-            (is_v, v_pages_ref, slot - num_heads - num_kv_heads,
+            (is_k, k_ref, slot - num_heads, (r1, r2)),
+            (is_v, v_ref, slot - num_heads - num_kv_heads,
              (x1.astype(x_ref.dtype), x2.astype(x_ref.dtype)))):
         kind_ok = ok & kind
-        index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot[:, None], head[:, None])
+        if paged:
+            index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot[:, None], head[:, None])
+        else:
+            index = (jnp.where(kind_ok, token * num_kv_heads + head, ref.shape[0])[:, None],)
         _store_rows(ref, (*index, first), kind_ok, v1)
         _store_rows(ref, (*index, first + half), kind_ok, v2)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "theta", "interpret",
-                                             "block_rows", "num_warps", "num_stages"))
+def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, positions, num_heads: int,
+               num_kv_heads: int) -> tuple[int, int, int, int]:
+    """(batch, T, head_dim, rows) of a valid fused projection; ValueError naming what is not."""
+    slots = num_heads + 2 * num_kv_heads
+    if qkv.ndim != 3 or qkv.shape[-1] % slots:
+        raise ValueError(f"qkv must be [batch, T, (num_heads + 2 * num_kv_heads) * head_dim] = "
+                         f"[.., .., {slots} * head_dim], got {qkv.shape}")
+    batch, q_len, width = qkv.shape
+    head_dim = width // slots
+    _check_rows("qkv", jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), qkv.dtype), q_norm_weight,
+                positions)
+    if k_norm_weight.shape != (head_dim,):
+        raise ValueError(f"k_norm_weight must be [head_dim={head_dim}], got {k_norm_weight.shape}")
+    return batch, q_len, head_dim, batch * q_len * slots
+
+
+def _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, positions, pages, *, num_heads: int,
+                        num_kv_heads: int, eps: float, theta: float, interpret: bool, block_rows,
+                        num_warps, num_stages):
+    """The pallas_call behind both wrappers: ``pages`` is (k_pages, v_pages, page_table) or None."""
+    batch, q_len, head_dim, num_rows = _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, num_heads,
+                                                  num_kv_heads)
+    tokens = batch * q_len
+    if pages is None:
+        kv_shape = jax.ShapeDtypeStruct((tokens * num_kv_heads, head_dim), qkv.dtype)
+        kv_outs, paged_ins, aliases = (kv_shape, kv_shape), (), {}
+    else:
+        k_pages, v_pages, page_table = pages
+        _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages,
+                     v_pages, page_table)
+        kv_outs = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages))
+        paged_ins = (positions.reshape(-1).astype(jnp.int32), page_table, k_pages, v_pages)
+        aliases = {7: 1, 8: 2}  # the input pages are outputs 1 and 2
+    block_rows = _rows_per_program(block_rows, num_rows)
+    kernel = functools.partial(_qkv_norm_rope_kernel, paged=pages is not None, q_len=q_len,
+                               num_heads=num_heads, num_kv_heads=num_kv_heads, block_rows=block_rows,
+                               eps=eps)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_rows),),
+        out_shape=(jax.ShapeDtypeStruct((tokens * num_heads, head_dim), qkv.dtype), *kv_outs),
+        input_output_aliases=aliases,
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="qkv_norm_rope" if pages is None else "qkv_norm_rope_write",
+    )(qkv.reshape(num_rows, head_dim), q_norm_weight, k_norm_weight,
+      *_rope_tables(positions, head_dim, theta, qkv.dtype), *paged_ins)
+
+
+_QKV_STATICS = ("num_heads", "num_kv_heads", "eps", "theta", "interpret", "block_rows", "num_warps",
+                "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_QKV_STATICS)
+def qkv_norm_rope(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
+                  *, num_heads: int, num_kv_heads: int, eps: float, theta: float, interpret: bool = False,
+                  block_rows: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas version of ``qkv_norm_rope_reference`` (same arguments and results): one launch
+    instead of three slices and two norm+RoPE passes. block_rows (rows of D values per program)
+    defaults to ``tuning.row_block``."""
+    q, k, v = _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, positions, None, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, eps=eps, theta=theta, interpret=interpret,
+                                  block_rows=block_rows, num_warps=num_warps, num_stages=num_stages)
+    batch, q_len = qkv.shape[:2]
+    return (q.reshape(batch, q_len, num_heads, -1), k.reshape(batch, q_len, num_kv_heads, -1),
+            v.reshape(batch, q_len, num_kv_heads, -1))
+
+
+@functools.partial(jax.jit, static_argnames=_QKV_STATICS)
 def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
                         positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                         *, num_heads: int, num_kv_heads: int, eps: float, theta: float,
@@ -381,32 +438,8 @@ def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight:
     launch instead of a split, two norm+RoPE passes and two scatters. Pages are aliased to the
     outputs (in place when donated); positions outside the page table are dropped for k/v.
     block_rows (rows of D values per program) defaults to ``tuning.row_block``."""
-    slots = num_heads + 2 * num_kv_heads
-    if qkv.ndim != 3 or qkv.shape[-1] % slots:
-        raise ValueError(f"qkv must be [batch, T, (num_heads + 2 * num_kv_heads) * head_dim] = "
-                         f"[.., .., {slots} * head_dim], got {qkv.shape}")
-    batch, q_len, width = qkv.shape
-    head_dim = width // slots
-    q_shape = (batch, q_len, num_heads, head_dim)
-    _check_rows("qkv", jax.ShapeDtypeStruct(q_shape, qkv.dtype), q_norm_weight, positions)
-    if k_norm_weight.shape != (head_dim,):
-        raise ValueError(f"k_norm_weight must be [head_dim={head_dim}], got {k_norm_weight.shape}")
-    _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages, v_pages,
-                 page_table)
-    num_rows = batch * q_len * slots
-    block_rows = _rows_per_program(block_rows, num_rows)
-    kernel = functools.partial(_qkv_norm_rope_write_kernel, q_len=q_len, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, block_rows=block_rows, eps=eps)
-    q, k_pages, v_pages = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(num_rows, block_rows),),
-        out_shape=(jax.ShapeDtypeStruct((batch * q_len * num_heads, head_dim), qkv.dtype),
-                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={7: 1, 8: 2},
-        compiler_params=_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="qkv_norm_rope_write",
-    )(positions.reshape(-1).astype(jnp.int32), page_table, qkv.reshape(num_rows, head_dim),
-      q_norm_weight, k_norm_weight, *_rope_tables(positions, head_dim, theta, qkv.dtype), k_pages, v_pages)
-    return q.reshape(q_shape), k_pages, v_pages
+    q, k_pages, v_pages = _qkv_norm_rope_call(
+        qkv, q_norm_weight, k_norm_weight, positions, (k_pages, v_pages, page_table), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, eps=eps, theta=theta, interpret=interpret, block_rows=block_rows,
+        num_warps=num_warps, num_stages=num_stages)
+    return q.reshape(*qkv.shape[:2], num_heads, -1), k_pages, v_pages

@@ -50,7 +50,7 @@ def test_bench_e2e_rejects_a_missing_reference_json_before_running(tmp_path):
 def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
-                           "--op", "norm_rope", "--cases", "1:0:16,2:4", "--rounds", "2", "--steps", "2",
+                           "--op", "write_kv", "--cases", "1:0:16,2:4", "--rounds", "2", "--steps", "2",
                            "--repeats", "1", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -65,6 +65,6 @@ def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
 def test_ab_kernels_rejects_a_malformed_case():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
-                           "--op", "norm_rope", "--cases", "1-16"], env=env, capture_output=True, text=True,
+                           "--op", "write_kv", "--cases", "1-16"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0 and "batch:block[:context]" in done.stderr

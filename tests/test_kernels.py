@@ -217,24 +217,7 @@ def test_draft_attention_default_block_lens(interpret, check):
 
 
 # --------------------------------------------------------------------------------------------
-# norm_rope and norm_rope_write.
-
-NORM_CASES = [("f32", 64, 3, 5), ("bf16", 128, 8, 3), ("f32", 128, 1, 40), ("bf16", 64, 32, 1)]
-
-
-@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_norm_rope(case, interpret, check):
-    dtype, head_dim, heads, q_len = case
-    dtype = DTYPES[dtype]
-    rng = _rng("norm_rope", case)
-    x = jnp.asarray(3 * rng.standard_normal((2, q_len, heads, head_dim)), dtype)
-    weight = jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype)
-    positions = jnp.asarray(rng.integers(0, 40_000, (2, q_len)), jnp.int32)
-    kw = dict(eps=1e-6, theta=1e6)
-    out = pk.norm_rope(x, weight, positions, interpret=interpret, **kw)
-    ref = _reference(pk.norm_rope_reference, x, weight, positions, **kw)
-    check(out, ref, dtype)
-
+# norm_rope_write, qkv_norm_rope_write and qkv_norm_rope.
 
 WRITE_CASES = [("f32", 64, 16, 2), ("bf16", 128, 32, 8), ("f32", 128, 32, 1), ("bf16", 64, 16, 4)]
 
@@ -303,6 +286,31 @@ def test_qkv_norm_rope_write(case, interpret, check):
         np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
         written = ~np.isnan(ref)
         check(out[written], ref[written], dtype)
+
+
+# (dtype, GQA group, head_dim, tokens per sequence, rows per program)
+QKV_BLOCK_CASES = [("f32", 1, 64, 6, None), ("bf16", 4, 128, 16, None), ("f32", 8, 64, 1, 16),
+                   ("bf16", 2, 128, 5, 8)]
+
+
+@pytest.mark.parametrize("case", QKV_BLOCK_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_qkv_norm_rope(case, interpret, check):
+    """The draft block's q, k (normed, rotated) and v straight from the fused projection."""
+    dtype, group, head_dim, q_len, block_rows = case
+    dtype = DTYPES[dtype]
+    rng = _rng("qkv_block", case)
+    kv_heads = 2
+    heads = kv_heads * group
+    batch = 3
+    qkv = jnp.asarray(3 * rng.standard_normal((batch, q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
+    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
+    positions = jnp.asarray(rng.integers(0, 40_000, (batch, q_len)), jnp.int32)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=1e6)
+    outs = pk.qkv_norm_rope(qkv, q_w, k_w, positions, interpret=interpret, block_rows=block_rows, **kw)
+    refs = _reference(pk.qkv_norm_rope_reference, qkv, q_w, k_w, positions, **kw)
+    for out, ref in zip(outs[:2], refs[:2], strict=True):
+        check(out, ref, dtype)
+    np.testing.assert_array_equal(np.asarray(outs[2], np.float32), np.asarray(refs[2], np.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,12 +384,13 @@ LOWERINGS = {
     "draft": (pk.paged_draft_attention, _draft_shapes(), {}),
     "draft_causal_window": (pk.paged_draft_attention, _draft_shapes(batch=32),
                             {"causal": True, "sliding_window": 32}),
-    "norm_rope": (pk.norm_rope, (S((2, 16, 32, 128), BF), S((128,), BF), S((2, 16), jnp.int32)),
-                  {"eps": 1e-6, "theta": 1e6}),
     "norm_rope_write": (pk.norm_rope_write, _write_shapes(), {"eps": 1e-6, "theta": 1e6}),
     "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
                             (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
                             {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
+    "qkv_norm_rope": (pk.qkv_norm_rope, (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF),
+                                         S((2, 16), jnp.int32)),
+                      {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
     "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
     "fused_matmul_gated_split": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
@@ -451,8 +460,9 @@ def test_rejects_bad_tuning_and_block_shapes():
     with pytest.raises(ValueError, match="block_k"):
         jax.eval_shape(pk.paged_draft_attention, *shapes)
     with pytest.raises(ValueError, match="block_rows"):
-        jax.eval_shape(functools.partial(pk.norm_rope, eps=1e-6, theta=1e6, block_rows=48),
-                       S((2, 16, 32, 128), BF), S((128,), BF), S((2, 16), jnp.int32))
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope, num_heads=32, num_kv_heads=8, eps=1e-6, theta=1e6,
+                                         block_rows=48),
+                       S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF), S((2, 16), jnp.int32))
     shapes = list(_write_shapes())
     shapes[4] = S((200, 16, 4, 128), BF)
     with pytest.raises(ValueError, match="k_pages"):
@@ -474,3 +484,9 @@ def test_rejects_bad_tuning_and_block_shapes():
     with pytest.raises(ValueError, match="k_norm_weight"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, S((64,), BF), positions, *pages)
+    with pytest.raises(ValueError, match="qkv must be"):
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 47 * 128), BF),
+                       weight, weight, positions)
+    with pytest.raises(ValueError, match="positions"):
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF),
+                       weight, weight, S((2, 15), jnp.int32))
