@@ -27,8 +27,9 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @contextlib.contextmanager
 def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield an empty hidden sibling directory of ``out``; when the block completes it becomes
-    ``out`` (replacing an existing one only with ``overwrite``), and on any failure, Ctrl-C
-    included, it is removed and ``out`` is left as it was."""
+    ``out`` (replacing an existing one only with ``overwrite``), with the umask's permissions on
+    everything inside, and on any failure, Ctrl-C included, it is removed and ``out`` is left as
+    it was."""
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -36,6 +37,7 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
     try:
         yield tmp
+        _apply_umask_permissions(tmp)
         if out.exists() or out.is_symlink():
             trash = tmp.with_suffix(".old")
             out.rename(trash)
@@ -53,6 +55,17 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _apply_umask_permissions(root: Path) -> None:
+    """Give everything under ``root`` the permissions of a plain create under the umask: those of
+    ``root`` itself (made by mkdir: 0o777 less the umask) for folders, without execute bits for
+    files. Writers may leave others: safetensors writes through an owner-only temp file, and
+    copy2 keeps the source's mode."""
+    folder_mode = root.stat().st_mode & 0o777
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(folder_mode if path.is_dir() else folder_mode & 0o666)
 
 
 def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,

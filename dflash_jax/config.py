@@ -234,11 +234,16 @@ def read_config_json(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: expected an HF model folder with config.json")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON ({error})") from error
 
 
 def load_target_config(directory: str | Path) -> ModelConfig:
     raw = read_config_json(directory)
+    if is_draft_config(raw):
+        raise ConfigError(f"{directory} holds a DFlash draft, not a target; pass it as the draft (--draft)")
     model_type = raw.get("model_type")
     if model_type != "qwen3":
         raise ConfigError(f"{directory}/config.json: model_type '{model_type}' is not supported "
@@ -247,4 +252,7 @@ def load_target_config(directory: str | Path) -> ModelConfig:
 
 
 def load_draft_config(directory: str | Path) -> DraftConfig:
-    return DraftConfig.from_hf(read_config_json(directory), f"{directory}/config.json")
+    raw = read_config_json(directory)
+    if not is_draft_config(raw) and raw.get("model_type") == "qwen3":
+        raise ConfigError(f"{directory} holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)")
+    return DraftConfig.from_hf(raw, f"{directory}/config.json")

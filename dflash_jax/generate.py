@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import allocate_pages, init_cache
+from dflash_jax.config import load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
@@ -76,8 +78,10 @@ class GenerationStats:
         return self.prefill_seconds
 
     def summary(self) -> dict:
-        return {"tau": self.tau, "steps": self.steps, "new_tokens": self.new_tokens,
-                "histogram": self.histogram(), "position_acceptance": self.position_acceptance(),
+        """The statistics as JSON values; tau is None when no sequence took a step."""
+        return {"tau": None if math.isnan(self.tau) else self.tau, "steps": self.steps,
+                "new_tokens": self.new_tokens, "histogram": self.histogram(),
+                "position_acceptance": self.position_acceptance(),
                 "tokens_per_second": self.tokens_per_second, "time_to_first_token": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "compile_seconds": self.compile_seconds}
 
@@ -159,6 +163,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     """Validate a batch, allocate its pages and compile its prefill and decode chunk (the
     arguments are those of ``generate``). Raises before any device work on bad input."""
     sampling = sampling or SamplingConfig()
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch = len(prompts)
     if batch == 0:
         raise ValueError("prompts is empty")
@@ -269,15 +275,45 @@ DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 
 def _read_prompts(args) -> list[str]:
-    if args.batch_file:
-        path = Path(args.batch_file)
-        if not path.is_file():
-            raise SystemExit(f"error: --batch-file {path} does not exist")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if path.suffix == ".jsonl":
-            return [json.loads(line)["prompt"] for line in lines]
-        return lines
-    return [args.prompt]
+    """--prompt, or the non-blank lines of --batch-file (.jsonl: the "prompt" of each object)."""
+    if not args.batch_file:
+        return [args.prompt]
+    path = Path(args.batch_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"--batch-file {path} does not exist")
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--batch-file {path} holds no prompts")
+    if path.suffix != ".jsonl":
+        return [line for _, line in lines]
+    return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error})") from error
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(f'{where}: expected an object with a "prompt" string, got {line.strip()[:60]}')
+    return record["prompt"]
+
+
+def _check_flags(args, draft_dir) -> None:
+    """Reject bad numeric flags before any model is loaded (the library checks them too, later)."""
+    for flag in ("max_new_tokens", "page_size", "chunk_steps", "steps_per_check"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.block_size is not None and draft_dir is None:
+        raise ValueError("--block-size needs a draft")
+    if args.stats_json and not Path(args.stats_json).parent.is_dir():
+        raise FileNotFoundError(f"--stats-json {args.stats_json}: its folder does not exist")
+
+
+def _format(value: float | None, template: str) -> str:
+    """``template.format(value)``, or "n/a" when ``value`` is undefined (None or NaN)."""
+    return "n/a" if value is None or math.isnan(value) else template.format(value)
 
 
 def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None:
@@ -287,11 +323,11 @@ def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None
           f"(compile {stats.compile_seconds:.1f} s, not counted)", file=sys.stderr)
     if with_draft:
         hist = stats.histogram()
-        print(f"[{label}] tau (mean accepted length, bonus included) {stats.tau:.2f} over "
+        print(f"[{label}] tau (mean accepted length, bonus included) {_format(stats.tau, '{:.2f}')} over "
               f"{sum(stats.steps)} steps; block {stats.block_size}", file=sys.stderr)
         print(f"[{label}] accepted-length histogram 1..{stats.block_size}: {hist}", file=sys.stderr)
         rates = " ".join(f"{r:.2f}" for r in stats.position_acceptance())
-        print(f"[{label}] per-position acceptance: {rates}", file=sys.stderr)
+        print(f"[{label}] per-position acceptance: {rates or 'n/a'}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -337,18 +373,22 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline = args.baseline or not args.no_draft
     if args.no_draft:
         draft_dir = None
-    try:
+    try:  # everything that reads the user's input, cheapest first; weights last
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+        _check_flags(args, draft_dir)
+        target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
+        if draft_dir:
+            load_draft_config(draft_dir).check_target(target_config)
         tokenizer = Tokenizer(target_dir)
-        target = load_target(target_dir, args.dtype)
-        draft = load_draft(draft_dir, target, args.dtype) if draft_dir else None
+        texts = _read_prompts(args)
+        if args.chat:
+            texts = [tokenizer.apply_chat_template(t) for t in texts]
+        prompts = [tokenizer.encode(t) for t in texts]
+        target = load_target(target_dir, args.dtype, progress=True)
+        draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    texts = _read_prompts(args)
-    if args.chat:
-        texts = [tokenizer.apply_chat_template(t) for t in texts]
-    prompts = [tokenizer.encode(t) for t in texts]
     streaming = len(prompts) == 1
     print(f"target {target_dir}" + (f", draft {draft_dir} (block {args.block_size or draft.config.block_size})"
                                     if draft else ", no draft") + f", jax {jax.__version__} on "
@@ -366,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                           on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
                           if stream else None)
         if stream:
-            print(printer.update(result.tokens[0]), flush=True)
+            print(printer.update(result.tokens[0], final=True), flush=True)
         return result
 
     try:
@@ -382,14 +422,17 @@ def main(argv: list[str] | None = None) -> int:
     if draft is not None and args.baseline:
         base = run(None, False)
         _print_stats("plain", base, False)
-        speedup = result.stats.tokens_per_second / base.stats.tokens_per_second
+        rates = result.stats.tokens_per_second, base.stats.tokens_per_second
+        # Undefined when a run decoded nothing after its first token (max_new_tokens 1, early stops).
+        speedup = rates[0] / rates[1] if all(rates) else None
         identical = base.tokens == result.tokens
-        print(f"[compare] speedup {speedup:.2f}x over plain decoding; outputs identical: {identical}"
-              + ("" if sampling.greedy else " (sampling: not expected)"), file=sys.stderr)
+        print(f"[compare] speedup {_format(speedup, '{:.2f}x')} over plain decoding; "
+              f"outputs identical: {identical}" + ("" if sampling.greedy else " (sampling: not expected)"),
+              file=sys.stderr)
         summary["plain"] = base.stats.summary()
         summary["speedup"] = speedup
     if args.stats_json:
-        Path(args.stats_json).write_text(json.dumps(summary, indent=2))
+        Path(args.stats_json).write_text(json.dumps(summary, indent=2, allow_nan=False))
     return 0
 
 

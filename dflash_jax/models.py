@@ -44,19 +44,22 @@ def _restore_converted(path: Path, kind: str, init):
     return checkpoint.restore_params(path, jax.eval_shape(init))
 
 
-def load_target(path: str | Path, dtype="bfloat16") -> Target:
-    """Qwen3 target from an HF folder (safetensors) or a folder made by checkpoints_convert."""
+def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False) -> Target:
+    """Qwen3 target from an HF folder (safetensors) or a folder made by checkpoints_convert.
+    ``progress`` shows a tqdm bar on stderr while an HF folder's tensors are read."""
     path, dtype = Path(path), _dtype(dtype)
     if checkpoint.is_converted(path):
         config = load_target_config(path)
         init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
         return Target(config, _restore_converted(path, "target", init), path)
-    config, params = checkpoint.load_hf_target(path, dtype)
+    config, params = checkpoint.load_hf_target(path, dtype, progress=progress)
     return Target(config, params, path)
 
 
-def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16") -> Draft:
-    """DFlash draft (z-lab or speculators format, or converted); checked against ``target``."""
+def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16", *,
+               progress: bool = False) -> Draft:
+    """DFlash draft (z-lab or speculators format, or converted); checked against ``target``
+    (``progress`` as for ``load_target``)."""
     path, dtype = Path(path), _dtype(dtype)
     config = load_draft_config(path)
     if target is not None:
@@ -64,5 +67,5 @@ def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16")
     if checkpoint.is_converted(path):
         init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
         return Draft(config, _restore_converted(path, "draft", init), path)
-    _, params = checkpoint.load_hf_draft(path, dtype)
+    _, params = checkpoint.load_hf_draft(path, dtype, progress=progress)
     return Draft(config, params, path)

@@ -17,7 +17,11 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the model folder needs a tokenizer.json")
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{path}: not a readable tokenizer ({error})") from error
+        self.directory = directory
         config_path = directory / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_file = directory / "chat_template.jinja"  # where newer transformers save it
@@ -51,14 +55,17 @@ class Tokenizer:
     def apply_chat_template(self, user_message: str) -> str:
         """Render one user turn with the generation prompt, as transformers would."""
         if not self.chat_template:
-            raise ValueError("this tokenizer_config.json has no chat_template; drop --chat")
+            raise ValueError(f"{self.directory} has no chat template (neither chat_template.jinja nor a "
+                             "chat_template in tokenizer_config.json); drop --chat")
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
         env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
-        return template.render(messages=[{"role": "user", "content": user_message}],
-                               add_generation_prompt=True, **special)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"{self.directory}: chat template failed: {error}") from error
 
 
 def _raise(message: str):
@@ -66,14 +73,17 @@ def _raise(message: str):
 
 
 class TextStream:
-    """Incremental detokenization: yields only text that is final (no half UTF-8 characters)."""
+    """Incremental detokenization: the pieces it returns join to the decoded text of all the ids."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.printed = tokenizer, ""
 
-    def update(self, ids: list[int]) -> str:
+    def update(self, ids: list[int], *, final: bool = False) -> str:
+        """The text of ``ids`` (all tokens so far) not returned yet. Unless ``final``, text that
+        ends in a partial UTF-8 character (U+FFFD) is held back until more tokens complete it;
+        ``final`` returns the rest as it is."""
         text = self.tokenizer.decode(ids)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and not final:
             return ""
         new, self.printed = text[len(self.printed):], text
         return new

@@ -158,8 +158,20 @@ def test_failed_overwrite_keeps_the_old_output(target, monkeypatch):
 def test_converted_folder_of_the_wrong_kind(tmp_path):
     make_zlab_draft(tmp_path / "draft")
     convert(tmp_path / "draft", tmp_path / "out", progress=False)
-    with pytest.raises(CheckpointError, match="is a converted draft, not a target"):
+    with pytest.raises(ConfigError, match="holds a DFlash draft, not a target"):
         load_target(tmp_path / "out")
+    make_target(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "target", progress=False)
+    with pytest.raises(ConfigError, match="holds a Qwen3 target, not a DFlash draft"):
+        load_draft(tmp_path / "target")
+
+
+def test_marker_of_the_wrong_kind(target):
+    out = target.parent / "out"
+    convert(target, out, progress=False)
+    checkpoint.write_marker(out, "draft", "bfloat16")
+    with pytest.raises(CheckpointError, match="is a converted draft, not a target"):
+        load_target(out)
 
 
 def test_converted_config_edited_after_conversion(target):

@@ -78,7 +78,7 @@ def test_cli_batch_file_and_chat(model_dirs, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--target", "/nonexistent"], "not found"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--top-p", "0"], "top_p"),
     (["--block-size", "9"], "block_size"),
 ])
@@ -95,3 +95,88 @@ def test_cli_without_model_explains_what_to_pass(monkeypatch):
 
     monkeypatch.setattr(generate, "DEFAULT_MODEL", ROOT / "no-such-default")
     assert generate.main([]) == 2
+
+
+def _reject_nan(constant):
+    raise AssertionError(f"invalid JSON constant {constant}")
+
+
+def test_cli_one_new_token_reports_undefined_stats_as_na(model_dirs, tmp_path, capsys):
+    """Nothing is decoded after the first token: tau and the speedup are undefined, not errors."""
+    from dflash_jax import generate
+    from dflash_jax.models import load_target
+
+    target_dir, draft_dir = model_dirs
+    stats = tmp_path / "stats.json"
+    assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "1",
+                          "--baseline", "--dtype", "float32", "--stats-json", str(stats)]) == 0
+    err = capsys.readouterr().err
+    assert "tau (mean accepted length, bonus included) n/a over 0 steps" in err
+    assert "speedup n/a over plain decoding; outputs identical: True" in err
+    assert f"reading {target_dir.name}: 100%" in err and f"reading {draft_dir.name}: 100%" in err
+    summary = json.loads(stats.read_text(), parse_constant=_reject_nan)
+    assert summary["dflash"]["tau"] is None and summary["plain"]["tau"] is None
+    assert summary["speedup"] is None and summary["dflash"]["new_tokens"] == [1]
+    load_target(target_dir, "float32")  # the library stays quiet by default
+    assert capsys.readouterr().err == ""
+
+
+def test_text_stream_pieces_join_to_the_whole_text():
+    from dflash_jax.generate import DEFAULT_MODEL
+    from dflash_jax.tokenizer import TextStream, Tokenizer
+
+    tokenizer = Tokenizer(DEFAULT_MODEL / "target")
+    ids = tokenizer.encode("x = '日本'")
+    assert len(ids) > 6  # the CJK characters are split into byte tokens
+    for cut in range(1, len(ids) + 1):  # most cuts end inside a character
+        stream = TextStream(tokenizer)
+        pieces = [stream.update(ids[:n]) for n in range(1, cut)] + [stream.update(ids[:cut], final=True)]
+        assert "".join(pieces) == tokenizer.decode(ids[:cut])
+
+
+def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, capsys):
+    """max_new_tokens may end inside a multi-byte character: the last flush still prints the rest."""
+    from dflash_jax import generate
+    from dflash_jax.tokenizer import Tokenizer
+
+    target_dir, _ = model_dirs
+    tokenizer = Tokenizer(target_dir)
+    tokens = tokenizer.encode(" = '日本")[:-1]
+
+    def generate_cut(target, prompts, *, on_chunk, **kwargs):
+        on_chunk([tokens[:2]])
+        on_chunk([tokens])
+        stats = generate.GenerationStats(accept_lengths=[[]], new_tokens=[len(tokens)], block_size=1,
+                                         compile_seconds=0.0, prefill_seconds=0.0, decode_seconds=1.0)
+        return generate.GenerationResult([tokens], stats)
+
+    monkeypatch.setattr(generate, "generate", generate_cut)
+    assert generate.main(["--target", str(target_dir), "--prompt", "x", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == "x" + tokenizer.decode(tokens) + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chat"], "has no chat template"),
+    (["--batch-file", "{jsonl}", "--no-draft"], 'prompts.jsonl:2: expected an object with a "prompt" string'),
+    (["--batch-file", "{empty}"], "holds no prompts"),
+    (["--batch-file", "{tmp}/missing.txt"], "does not exist"),
+    (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+    (["--chunk-steps", "-1"], "--chunk-steps must be >= 1, got -1"),
+    (["--no-draft", "--block-size", "4"], "--block-size needs a draft"),
+    (["--stats-json", "{tmp}/missing/stats.json"], "folder does not exist"),
+    (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
+                                                                      "pass it as the draft (--draft)"),
+    (["--draft", "{default}/target"], "holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)"),
+], ids=["chat", "jsonl", "empty", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
+        "swapped", "target-as-draft"])
+def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
+    """Input errors on the embedded default model (which has no chat template), before any weights load."""
+    from dflash_jax import generate
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def a"}\n{"text": "def b"}\n')
+    (tmp_path / "empty.txt").write_text("\n \n")
+    paths = dict(jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
+                 default=generate.DEFAULT_MODEL)
+    assert generate.main([arg.format(**paths) for arg in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err

@@ -141,6 +141,22 @@ def test_load_target_config_checks_model_type(tmp_path):
         load_target_config(tmp_path / "missing")
 
 
+def test_swapped_target_and_draft_folders_are_named(tmp_path):
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(zlab_raw()))
+    with pytest.raises(ConfigError, match="draft holds a DFlash draft, not a target; pass it as the draft"):
+        load_target_config(tmp_path / "draft")
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_raw()))
+    with pytest.raises(ConfigError, match="holds a Qwen3 target, not a DFlash draft; pass it as the target"):
+        load_draft_config(tmp_path)
+
+
+def test_config_json_that_is_not_json(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        load_target_config(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------
 # Draft configs
 

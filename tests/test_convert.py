@@ -225,6 +225,25 @@ def test_export_target_loads_in_transformers_with_identical_weights(tmp_path, ti
     assert_same_tree(again.params, target.params)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_outputs_get_the_umask_permissions(tmp_path, umask):
+    """Every file and folder written, whatever its writer (safetensors' private temp file, a copied
+    owner-only tokenizer file, orbax), gets what a plain create under the umask gives."""
+    make_target(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").chmod(0o600)
+    target = load_target(tmp_path / "hf", dtype="float32")
+    old_umask = os.umask(umask)
+    try:
+        outputs = [convert(tmp_path / "hf", tmp_path / "converted", progress=False),
+                   export_target(target.config, target.params, tmp_path / "exported", max_shard_mb=1)]
+    finally:
+        os.umask(old_umask)
+    for out in outputs:
+        paths = [out, *out.rglob("*")]
+        modes = {p.relative_to(out): oct(p.stat().st_mode & 0o777) for p in paths}
+        assert modes == {p.relative_to(out): oct((0o777 if p.is_dir() else 0o666) & ~umask) for p in paths}
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "checkpoints_convert", *args], capture_output=True, text=True,
