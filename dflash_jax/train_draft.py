@@ -2,7 +2,7 @@
 
     python -m dflash_jax.train_draft --target DIR --out DIR [--data FILES|GLOBS|stdlib]
         [--regenerate N] [--num-layers K] [--block-size 16] [--steps 1000] [--batch 8]
-        [--seq-len 512] [--anchors 512] [--lr 6e-4] [--resume] [--eval-prompts N]
+        [--seq-len 512] [--anchors 512] [--lr 6e-4] [--resume | --overwrite] [--eval-prompts N]
 
 Per row: the target runs the clean sequence once (frozen, bf16) and its taps at the draft's
 ``target_layer_ids`` become context K/V exactly as inference writes them (``draft.write_context``).
@@ -10,6 +10,11 @@ Up to ``anchors`` random anchors t (t and t+1 supervised) each open a block
 ``[token_t, mask x (B-1)]`` at positions t..t+B-1 labelled with tokens t+1..t+B-1. A block
 attends to itself (bidirectionally) and to context positions < t; blocks never see each other.
 Loss: cross-entropy weighted by exp(-(k-1)/gamma) at block position k, over the total weight.
+
+Checkpoints, the run's settings (run.json) and its per-step log (train_log.json) go to
+``--ckpt-dir`` (default OUT.ckpt), which holds one run: a new run refuses a folder with
+checkpoints and a non-empty ``--out`` (unless ``--overwrite``); ``--resume`` continues the run
+there with the same settings.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from checkpoints_convert import export_draft
 from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
@@ -35,8 +42,9 @@ from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.train_target import (OptimConfig, TrainState, append_log, apply_gradients, causal_forward,
-                                     global_norm, make_optimizer, run_training)
+from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.train_target import (OptimConfig, TrainState, apply_gradients, causal_forward, claim_run_folders,
+                                     global_norm, make_optimizer, run_recipe, run_training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,25 +189,43 @@ def _postfix(metrics: dict) -> dict:
             "acc@1,2,4,8": ",".join(f"{acc[i]:.2f}" for i in (0, 1, 3, 7) if i < len(acc))}
 
 
-def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft_config: DraftConfig,
-                train: DraftTrainConfig, *, ckpt_dir: str | Path | None = None, resume: bool = False,
-                export_dtype="bfloat16", max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> Draft:
-    """Train a draft on token rows with ``target`` frozen, export it (z-lab HF format) to
-    ``out_dir`` and return it as loaded (f32 training params)."""
+def open_draft_run(target: Target, out_dir: str | Path, draft_config: DraftConfig, train: DraftTrainConfig,
+                   data_record: dict, *, ckpt_dir: str | Path | None = None, resume: bool = False,
+                   overwrite: bool = False) -> Path:
+    """Claim the run's checkpoint folder (default OUT.ckpt, returned) and ``out_dir`` for the
+    target, draft, data and recipe (``claim_run_folders``). Done again with the same arguments,
+    it changes nothing."""
     out_dir = Path(out_dir)
     ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
     draft_config.check_target(target.config)
+    run = {"target": {"path": str(Path(target.path).absolute()) if target.path else None,
+                      "config": dataclasses.asdict(target.config)},
+           "draft": dataclasses.asdict(draft_config), "data": data_record, "train": run_recipe(train)}
+    claim_run_folders(ckpt_dir, out_dir, run, resume=resume, overwrite=overwrite)
+    return ckpt_dir
+
+
+def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft_config: DraftConfig,
+                train: DraftTrainConfig, *, ckpt_dir: str | Path | None = None, resume: bool = False,
+                overwrite: bool = False, data_record: dict | None = None,
+                export_dtype="bfloat16", max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> Draft:
+    """Train a draft on token rows with ``target`` frozen, export it (z-lab HF format) to
+    ``out_dir`` (a non-empty one only when resuming from checkpoints or with ``overwrite``) and
+    return it as loaded (f32 training params). ``data_record`` describes the rows for resuming
+    (default: their shape)."""
+    data_record = {"rows": len(rows), "seq_len": rows.seq_len} if data_record is None else data_record
+    ckpt_dir = open_draft_run(target, out_dir, draft_config, train, data_record, ckpt_dir=ckpt_dir, resume=resume,
+                              overwrite=overwrite)
     params = init_draft_params(draft_config, jax.random.key(train.seed + 1), jnp.float32)
     state = TrainState.create(params, make_optimizer(train.optim))
     target_params = cast_params(target.params, jnp.dtype(train.compute_dtype))
     step_fn = functools.partial(train_step, config=draft_config, target_config=target.config, train=train)
-    state, history = run_training(
+    state, _ = run_training(
         state, lambda s, lr, t, m: step_fn(s, lr, target_params, t, m),
         lambda step: rows.batch(step, train.batch_size, train.seed), optim=train.optim, ckpt_dir=ckpt_dir,
         save_every=train.save_every, resume=resume, time_budget=train.time_budget, desc="draft", postfix=_postfix)
-    append_log(ckpt_dir / "train_log.json", history)
     export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True, max_shard_mb=max_shard_mb)
-    return Draft(draft_config, state.params, out_dir)
+    return Draft(draft_config, state.params, Path(out_dir))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,21 +260,37 @@ def sample_prompts(documents: Sequence[np.ndarray], count: int, length: int, see
     return prompts
 
 
+def stop_token_ids(target: Target) -> list[int]:
+    """Where the target's generation stops, as ``python -m dflash_jax.generate`` decides it
+    (``Tokenizer.stop_token_ids``: generation_config.json, config.json and the tokenizer's eos of
+    its folder). A folder without tokenizer.json: config.json's eos_token_id only, with a warning."""
+    if target.path is not None and (Path(target.path) / "tokenizer.json").is_file():
+        return Tokenizer(target.path).stop_token_ids
+    warnings.warn(f"no tokenizer.json in the target folder {target.path}: generation stops only on config.json's "
+                  f"eos_token_id {list(target.config.eos_token_ids)}, not on generation_config.json's or the "
+                  "tokenizer's eos", stacklevel=2)
+    return list(target.config.eos_token_ids)
+
+
 def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int, temperature: float,
                batch_size: int, pad_id: int, seed: int = 0) -> data.TokenRows:
-    """Responses written by the target itself (batched on-device generation) filling rows of
-    ``seq_len``; only response tokens are supervised. Every batch has the same shape."""
+    """Responses written by the target itself (batched on-device generation, a progress bar over
+    the batches, stopping at ``stop_token_ids(target)``) filling rows of ``seq_len``; only
+    response tokens are supervised. Every batch has the same shape."""
     from dflash_jax.generate import generate
 
+    if max(len(p) for p in prompts) >= seq_len:
+        raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room for a response in "
+                         f"rows of seq_len {seq_len}")
     sampling = SamplingConfig(temperature=temperature)
+    stop = stop_token_ids(target) or None
     responses = []
-    for i in range(0, len(prompts), batch_size):
+    for i in tqdm(range(0, len(prompts), batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
         chunk = list(prompts[i:i + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real)
         new = [seq_len - len(p) for p in chunk]
-        result = generate(target, chunk, max_new_tokens=new, sampling=sampling,
-                          stop_token_ids=list(target.config.eos_token_ids) or None, seed=seed + i)
+        result = generate(target, chunk, max_new_tokens=new, sampling=sampling, stop_token_ids=stop, seed=seed + i)
         responses += result.tokens[:real]
     return data.prompt_response_rows(prompts, responses, seq_len, pad_id)
 
@@ -256,11 +298,12 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
 def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float, seed: int = 0) -> dict:
     """τ (mean tokens per step) of DFlash generation on ``prompts``, and the speedup over plain
-    decoding (tok/s, same batch)."""
+    decoding (tok/s, same batch; None when plain decoding timed no tokens). Generation stops at
+    ``stop_token_ids(target)``."""
     from dflash_jax.generate import generate
 
     sampling = SamplingConfig(temperature=temperature)
-    stop = list(target.config.eos_token_ids) or None
+    stop = stop_token_ids(target) or None
     spec = generate(target, prompts, draft=draft, max_new_tokens=max_new_tokens, sampling=sampling,
                     stop_token_ids=stop, seed=seed).stats
     plain = generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop,
@@ -298,18 +341,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="fit training (compile included) in this time: fewer steps, same schedule shape")
+                        help="fit training (compile included) in this time: fewer steps, same schedule shape "
+                             "(with --resume: the steps left)")
     parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
                         help="largest safetensors shard of the exported draft, MB")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
-    parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (default OUT.ckpt)")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--ckpt-dir", default=None,
+                        help="orbax checkpoints, run.json and train_log.json of one run (default OUT.ckpt)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --ckpt-dir (same target, data and settings; --steps included)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out (otherwise refused unless --resume continues the run "
+                             "that wrote it)")
     parser.add_argument("--eval-prompts", type=int, default=0, metavar="N",
-                        help="after training, measure τ on N prompts from the held-out stdlib files")
+                        help="after training, measure τ on N prompts from the held-out stdlib files "
+                             "(required with --eval-only)")
     parser.add_argument("--eval-new-tokens", type=int, default=256)
     parser.add_argument("--eval-corpus", default="stdlib", help="'stdlib' or a folder: prompts from its held-out split")
     parser.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in --out")
     args = parser.parse_args(argv)
+    if args.eval_prompts < 0:
+        parser.error(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
+    if args.eval_only and not args.eval_prompts:
+        parser.error("--eval-only evaluates the draft in --out on held-out prompts: pass --eval-prompts N")
+    if args.regenerate and args.prompt_len >= args.seq_len:
+        parser.error(f"--prompt-len {args.prompt_len} must be shorter than --seq-len {args.seq_len}: the target's "
+                     "responses to --regenerate prompts fill the rest of each row")
 
     target = load_target(args.target, dtype=args.dtype)
     tokenizer = data.load_tokenizer(args.target)
@@ -317,7 +374,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_only:
         draft = load_draft(args.out, target, dtype=args.dtype)
     else:
-        rows = _training_rows(args, target, tokenizer, eos_id)
         mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token(
             args.target, target.config.vocab_size)
         ids = [int(i) for i in args.target_layer_ids.split(",")] if args.target_layer_ids else None
@@ -326,8 +382,15 @@ def main(argv: list[str] | None = None) -> None:
         train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
                                  batch_size=args.batch, gamma=args.gamma, seed=args.seed,
                                  compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
-        draft = train_draft(target, rows, args.out, draft_config, train, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                            max_shard_mb=args.max_shard_mb)
+        data_record = {"data": args.data, "seq_len": args.seq_len, "regenerate": args.regenerate}
+        if args.regenerate:
+            data_record.update(prompt_len=args.prompt_len, regen_temperature=args.regen_temperature,
+                               regen_batch=args.regen_batch)  # batches draw their own seeds
+        run = dict(ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
+        open_draft_run(target, args.out, draft_config, train, data_record, **run)  # before the (long) data work
+        rows = _training_rows(args, target, tokenizer, eos_id)
+        draft = train_draft(target, rows, args.out, draft_config, train, data_record=data_record,
+                            max_shard_mb=args.max_shard_mb, **run)
         draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
         print(f"train_draft: exported {args.out}")
     if args.eval_prompts:
@@ -337,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         results = [evaluate_tau(target, draft, prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
                    for t in (0.0, 0.7)]
         for r in results:
-            print(f"eval T={r['temperature']}: tau {r['tau']:.3f}, speedup {r['speedup']:.2f}x "
+            speedup = "n/a (plain decoding timed no tokens)" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            print(f"eval T={r['temperature']}: tau {r['tau']:.3f}, speedup {speedup} "
                   f"({r['tokens_per_second']:.0f} vs {r['plain_tokens_per_second']:.0f} tok/s)")
         (Path(args.out).with_name(Path(args.out).name + ".eval.json")).write_text(json.dumps(results, indent=1))
 

@@ -2,10 +2,14 @@
 plus the training machinery the draft trainer shares (optimizer, train state, orbax loop).
 
     python -m dflash_jax.train_target --out DIR [--corpus stdlib] [--steps 2000] [--batch 64]
+        [--resume | --overwrite]
 
 Writes an HF Qwen3 folder (config.json, safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) that this library and transformers both load, plus corpus.json (the
-held-out files) and train_log.json. Orbax checkpoints go to ``--ckpt-dir`` (default DIR.ckpt).
+held-out files) and train_summary.json. Orbax checkpoints, the run's settings (run.json) and its
+per-step log (train_log.json, written with every checkpoint) go to ``--ckpt-dir`` (default
+DIR.ckpt), which holds one run: a new run refuses a folder with checkpoints, ``--resume``
+continues the run there (with the same settings).
 """
 
 from __future__ import annotations
@@ -94,6 +98,70 @@ def apply_gradients(state: TrainState, grads, optimizer: optax.GradientTransform
                          opt_state=opt_state)
 
 
+RUN_FILE, SCHEDULE_FILE, LOG_FILE = "run.json", "schedule.json", "train_log.json"
+
+
+def write_json(path: Path, value) -> None:
+    """Write ``value`` as JSON through a temporary file, so an interruption leaves the old file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+def saved_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of the orbax checkpoints in ``ckpt_dir``."""
+    import orbax.checkpoint as ocp
+
+    if not (ckpt_dir / "state").is_dir():
+        return []
+    with ocp.CheckpointManager(ckpt_dir / "state") as manager:
+        return list(manager.all_steps())
+
+
+def run_recipe(train) -> dict:
+    """A train config as JSON, less what may change when a run is resumed (checkpoint interval,
+    time budget)."""
+    return {k: v for k, v in dataclasses.asdict(train).items() if k not in ("save_every", "time_budget")}
+
+
+def _differences(stored, now, prefix: str = "") -> list[str]:
+    """'key.path: stored value, new value' for each leaf where two JSON records differ."""
+    if isinstance(stored, dict) and isinstance(now, dict):
+        return [line for key in sorted(stored.keys() | now.keys())
+                for line in _differences(stored.get(key), now.get(key), f"{prefix}{key}.")]
+    return [] if stored == now else [f"{prefix.rstrip('.')}: {stored!r} in the stored run, {now!r} now"]
+
+
+def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool, overwrite: bool) -> None:
+    """Make ``ckpt_dir`` the home of the run described by ``run`` (JSON: model, data, recipe;
+    recorded there as run.json) and check that it may write ``out_dir``. Without ``resume``,
+    ``ckpt_dir`` must hold no checkpoints (orbax would keep another run's steps and skip this
+    one's); with it, checkpoints there must come from an equal ``run``. A non-empty ``out_dir``
+    is replaced only by a run continuing from checkpoints (it wrote it) or with ``overwrite``.
+    Raises FileExistsError / ValueError before writing anything; deletes nothing."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    steps = saved_steps(ckpt_dir)
+    run = json.loads(json.dumps(run))
+    if steps and not resume:
+        raise FileExistsError(f"{ckpt_dir} already holds checkpoints (steps {steps}) of a training run: pass "
+                              "--resume to continue that run, or choose another --ckpt-dir (or empty this one)")
+    if steps:
+        if not (ckpt_dir / RUN_FILE).is_file():
+            raise ValueError(f"{ckpt_dir} holds checkpoints but no {RUN_FILE} describing their run, so resuming "
+                             "cannot check it is the same run: choose another --ckpt-dir")
+        differences = _differences(json.loads((ckpt_dir / RUN_FILE).read_text()), run)
+        if differences:
+            raise ValueError(f"--resume: the run in {ckpt_dir} differs from this one ("
+                             + "; ".join(differences) + "). A resumed run keeps its model, data and recipe "
+                             "(the learning-rate schedule is laid out over its --steps): pass the values it "
+                             "was started with, or start a new run in another --ckpt-dir")
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not (steps or overwrite):
+        raise FileExistsError(f"{out_dir} already exists and is not empty (and this run does not continue one "
+                              "from its checkpoints): pass --overwrite to replace it, or choose another --out")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_json(ckpt_dir / RUN_FILE, run)
+
+
 def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], tuple], *, optim: OptimConfig,
                  ckpt_dir: str | Path, save_every: int, resume: bool, desc: str,
                  postfix: Callable[[dict], dict], time_budget: float | None = None,
@@ -101,31 +169,35 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                  ) -> tuple[TrainState, list[dict]]:
     """Run ``state, metrics = step_fn(state, learning_rate, *batch_fn(step))`` for ``optim.steps``
     steps with a tqdm bar, orbax checkpoints every ``save_every`` steps and at the end, resuming
-    from the latest one.
+    from the latest one (callers first claim ``ckpt_dir`` with ``claim_run_folders``).
 
-    With ``time_budget`` (seconds, compile included) the pace of steps 3-12 decides the number
-    of steps that fit, and the schedule is laid out over that many (recorded for resuming); when
-    the run then goes slower (evaluations, checkpoints, a busy machine) the schedule is shortened
-    to end on time.
+    With ``time_budget`` (seconds, compile included; on a resumed run, for the steps left) the
+    pace of the first 3-12 steps run decides the number of steps that fit, and the schedule is
+    laid out over that many (recorded in schedule.json for resuming); when the run then goes
+    slower (evaluations, checkpoints, a busy machine) the schedule is shortened to end on time.
     ``evaluate(params)`` (held-out metrics) runs every ``eval_every`` steps and at the end.
     Batches and keys must be pure functions of the step so a resumed run repeats exactly what an
-    uninterrupted one does. Returns the final state and one metrics dict per step run here.
+    uninterrupted one does. The log (one metrics dict per step, train_log.json) is written with
+    every checkpoint; a resumed run continues it. Returns the final state and the whole log.
     """
     import orbax.checkpoint as ocp
 
     began = time.perf_counter()
     ckpt_dir = Path(ckpt_dir).absolute()
-    schedule_file = ckpt_dir / "schedule.json"
     total = optim.steps
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     history = []
     with ocp.CheckpointManager(ckpt_dir / "state", options=options) as manager:
         if resume and manager.latest_step() is not None:
             state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
-            if schedule_file.is_file():
-                total = json.loads(schedule_file.read_text())["total_steps"]
+            total = json.loads((ckpt_dir / SCHEDULE_FILE).read_text())["total_steps"]
+            # steps logged past the checkpoint were not kept: they run again
+            history = [h for h in json.loads((ckpt_dir / LOG_FILE).read_text()) if h["step"] <= int(state.step)]
+            print(f"{desc}: resuming {ckpt_dir} at step {int(state.step)} of {total}")
+        else:
+            write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total})
         first = step = int(state.step)
-        pace_from = None if time_budget is None or step > 0 else first + 2
+        pace_from = None if time_budget is None else first + 2
         paced = None  # (step, time) where the pace measurement began
         # the pace is re-read over the last `window` steps, which span an evaluation when there are any
         window, step_times = max(10, eval_every), {}
@@ -144,16 +216,16 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                 elif pace_from is not None and step == pace_from + 10:
                     per_step = (now - paced[1]) / 10
                     total = min(total, step + max(0, int((time_budget - (now - began)) / per_step)))
-                    schedule_file.write_text(json.dumps({"total_steps": total, "seconds_per_step": per_step}))
+                    write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total, "seconds_per_step": per_step})
                     bar.total, pace_from = total, None
-                    print(f"{desc}: {per_step * 1e3:.1f} ms/step, {total} steps fit the time budget")
+                    bar.write(f"{desc}: {per_step * 1e3:.1f} ms/step, {total} steps fit the time budget")
                 elif paced is not None and pace_from is None and paced[0] < step < total:
                     # the recent pace, evaluations and checkpoints included
                     since = max(paced[0], step - window)
                     per_step = (now - step_times.get(since, paced[1])) / (step - since)
                     if (now - began) + (total - step) * per_step > 1.05 * time_budget:
                         total = step + max(0, int((time_budget - (now - began)) / per_step))
-                        schedule_file.write_text(json.dumps({"total_steps": total, "seconds_per_step": per_step}))
+                        write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total, "seconds_per_step": per_step})
                         bar.total = total
                         bar.write(f"{desc}: slower than planned ({per_step * 1e3:.1f} ms/step lately), "
                                   f"schedule shortened to {total} steps")
@@ -162,16 +234,10 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                     bar.write(f"{desc} step {step}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
                 if step % save_every == 0 or step == total:
+                    write_json(ckpt_dir / LOG_FILE, history)  # first: a resume drops steps past its checkpoint
                     manager.save(step, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
     return state, history
-
-
-def append_log(path: Path, history: list[dict]) -> None:
-    """Keep one training log across resumed runs: steps run again replace older entries."""
-    old = json.loads(path.read_text()) if path.is_file() else []
-    steps = {h["step"] for h in history}
-    path.write_text(json.dumps([h for h in old if h["step"] not in steps] + history))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,14 +336,18 @@ def make_evaluator(config: ModelConfig, rows: data.TokenRows, batch_size: int, d
 
 def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str | Path = "stdlib",
                  max_files: int | None = None, ckpt_dir: str | Path | None = None, resume: bool = False,
-                 eval_every: int = 250, max_eval_rows: int = 128,
+                 overwrite: bool = False, eval_every: int = 250, max_eval_rows: int = 128,
                  max_shard_mb: int = DEFAULT_MAX_SHARD_MB):
     """Train the tokenizer and the target on the training split of ``corpus`` (``"stdlib"``: the
     running interpreter's; or a folder of ``*.py``), tracking the loss on its held-out split;
-    export the HF folder to ``out_dir`` and return (config, f32 params)."""
+    export the HF folder to ``out_dir`` (a non-empty one only when resuming from checkpoints or
+    with ``overwrite``) and return (config, f32 params)."""
     out_dir = Path(out_dir)
     ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
     root = data.stdlib_root() if corpus == "stdlib" else Path(corpus)
+    claim_run_folders(ckpt_dir, out_dir, {"corpus": str(corpus if corpus == "stdlib" else root.absolute()),
+                                          "max_files": max_files, "train": run_recipe(train)},
+                      resume=resume, overwrite=overwrite)
     files, heldout = data.source_files(root)
     files = files[:max_files] if max_files else files
     staging = ckpt_dir / "tokenizer"
@@ -303,7 +373,6 @@ def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str |
         time_budget=train.time_budget, desc="target",
         postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['accuracy']:.3f}"},
         evaluate=make_evaluator(config, eval_rows, train.batch_size, train.compute_dtype), eval_every=eval_every)
-    append_log(ckpt_dir / "train_log.json", history)
 
     export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True, max_shard_mb=max_shard_mb)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -327,7 +396,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="'stdlib' (the running interpreter's *.py) or a folder of *.py files")
     parser.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
     parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints and tokenizer staging (DIR.ckpt)")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --ckpt-dir (same settings; --steps included)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     defaults, shape = TargetTrainConfig(), TinyTargetShape()
     parser.add_argument("--vocab-size", type=int, default=shape.vocab_size)
     parser.add_argument("--hidden", type=int, default=shape.hidden_size)
@@ -345,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=250, help="held-out loss every N steps")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="fit the run (compile included) in this time: fewer steps, same schedule shape")
+                        help="fit the run (compile included) in this time: fewer steps, same schedule "
+                             "shape (with --resume: the steps left)")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"],
                         help="compute dtype (master weights stay float32)")
     parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
@@ -359,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
         seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, compute_dtype=args.dtype,
         save_every=args.save_every, time_budget=args.time_budget)
     train_target(args.out, train, corpus=args.corpus, max_files=args.max_files, ckpt_dir=args.ckpt_dir,
-                 resume=args.resume, eval_every=args.eval_every, max_shard_mb=args.max_shard_mb)
+                 resume=args.resume, overwrite=args.overwrite, eval_every=args.eval_every,
+                 max_shard_mb=args.max_shard_mb)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import torch
 
 from dflash_jax import data, train_draft, train_target
 from dflash_jax.models import load_draft, load_target
+from dflash_jax.tokenizer import Tokenizer
 from pallas_kernels.verify_attention import masked_gqa_attention
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -149,6 +151,112 @@ def test_resume_continues_identically(trained):
     np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in full], rtol=1e-6)
 
 
+def test_a_checkpoint_folder_holds_one_run(trained, tmp_path):
+    root, draft_args = trained
+    state = root / "draft.ckpt" / "state"
+    saved = sorted(p.name for p in state.iterdir())
+    with pytest.raises(FileExistsError, match="already holds checkpoints .* pass --resume"):
+        train_draft.main(draft_args)                                  # the same command again
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        train_draft.main(draft_args + ["--out", str(tmp_path / "other"), "--ckpt-dir", str(state.parent)])
+    # --resume checks the stored run: a new --steps is refused (the schedule is laid out over it)
+    with pytest.raises(ValueError, match=f"train.optim.steps: {DRAFT_STEPS} in the stored run, 20 now"):
+        train_draft.main(draft_args + ["--resume", "--steps", "20"])
+    with pytest.raises(ValueError, match="draft.block_size: 4 in the stored run, 8 now"):
+        train_draft.main(draft_args + ["--resume", "--block-size", "8"])
+    assert sorted(p.name for p in state.iterdir()) == saved and not (tmp_path / "other").exists()
+
+
+def test_draft_output_is_replaced_only_with_overwrite(trained, tmp_path):
+    root, draft_args = trained
+    out = tmp_path / "draft"
+    shutil.copytree(root / "draft", out)                               # say, a downloaded draft
+    (out / "README.md").write_text("keep me")
+    args = draft_args + ["--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")]
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        train_draft.main(args)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        train_draft.main(args + ["--resume"])                         # no checkpoints: not the run that wrote it
+    assert (out / "README.md").read_text() == "keep me" and not (tmp_path / "ckpt").exists()
+    train_draft.main(args + ["--overwrite"])
+    assert not (out / "README.md").exists() and (out / "config.json").is_file()
+    assert (tmp_path / "ckpt" / "state" / str(DRAFT_STEPS)).is_dir()
+
+
+def test_interrupted_run_keeps_its_log_and_resumes_within_its_budget(tmp_path):
+    class Interrupted(Exception):
+        pass
+
+    def step_fn(state, learning_rate, stop_at=None, seconds=0.0):
+        if int(state.step) == stop_at:
+            raise Interrupted
+        time.sleep(seconds)
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    run = {"train": {"steps": 1000}}
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)},
+                                    opt_state={"m": jnp.zeros(2)})
+    common = dict(optim=train_target.OptimConfig(steps=1000, lr=1e-3), ckpt_dir=tmp_path, save_every=5,
+                  desc="resume", postfix=lambda m: {})
+    train_target.claim_run_folders(tmp_path, tmp_path / "out", run, resume=False, overwrite=False)
+    with pytest.raises(Interrupted):
+        train_target.run_training(state, lambda s, lr: step_fn(s, lr, stop_at=7), lambda step: (), resume=False,
+                                  **common)
+    logged = json.loads((tmp_path / "train_log.json").read_text())
+    assert [h["step"] for h in logged] == [1, 2, 3, 4, 5]                # as of the checkpoint at step 5
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_target.claim_run_folders(tmp_path, tmp_path / "out", run, resume=False, overwrite=False)
+    with pytest.raises(ValueError, match="train.steps: 1000 in the stored run, 2000 now"):
+        train_target.claim_run_folders(tmp_path, tmp_path / "out", {"train": {"steps": 2000}}, resume=True,
+                                       overwrite=False)
+    train_target.claim_run_folders(tmp_path, tmp_path / "out", run, resume=True, overwrite=False)
+    began = time.perf_counter()
+    state, history = train_target.run_training(state, lambda s, lr: step_fn(s, lr, seconds=0.05), lambda step: (),
+                                               resume=True, time_budget=1.0, **common)
+    seconds = time.perf_counter() - began
+    total = json.loads((tmp_path / "schedule.json").read_text())["total_steps"]
+    assert 17 <= total < 40 and int(state.step) == total and seconds < 2.5  # unbudgeted: ~50 s
+    assert [h["step"] for h in history] == list(range(1, total + 1)) and history[:5] == logged
+    assert json.loads((tmp_path / "train_log.json").read_text()) == history
+
+
+def test_draft_cli_rejects_contradictory_options(capsys):
+    base = ["--target", "unused", "--out", "unused"]
+    for extra, message in ((["--eval-only"], "pass --eval-prompts N"),
+                           (["--regenerate", "4", "--prompt-len", "64", "--seq-len", "64"],
+                            "--prompt-len 64 must be shorter than --seq-len 64")):
+        with pytest.raises(SystemExit):
+            train_draft.main(base + extra)
+        assert message in capsys.readouterr().err
+
+
+def test_eval_only_prints_an_untimed_speedup_as_na(trained, monkeypatch, capsys):
+    root = trained[0]
+
+    def untimed(target, draft, prompts, *, max_new_tokens, temperature):
+        # what evaluate_tau returns when plain decoding timed no tokens (--eval-new-tokens 1)
+        assert len(prompts) == 2 and max_new_tokens == 1
+        return {"temperature": temperature, "tau": 1.0, "speedup": None, "tokens_per_second": 0.0,
+                "plain_tokens_per_second": 0.0}
+
+    monkeypatch.setattr(train_draft, "evaluate_tau", untimed)
+    train_draft.main(["--target", str(root / "target"), "--out", str(root / "draft"), "--dtype", "float32",
+                      "--eval-only", "--eval-prompts", "2", "--eval-new-tokens", "1"])
+    assert capsys.readouterr().out.count("speedup n/a") == 2
+
+
+def test_generation_stops_where_the_generate_cli_does(trained, tmp_path):
+    folder = tmp_path / "target"
+    shutil.copytree(trained[0] / "target", folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    target = load_target(folder, dtype="float32")
+    assert train_draft.stop_token_ids(target) == Tokenizer(folder).stop_token_ids == [0, 7]
+    (folder / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        assert train_draft.stop_token_ids(target) == list(target.config.eos_token_ids) == [0]
+
+
 def _reference_models(root):
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3ForCausalLM
@@ -219,7 +327,7 @@ def test_schedule_and_time_budget(tmp_path):
     assert np.all(np.diff(rates[3:]) <= 0)
 
     def step_fn(state, learning_rate):
-        __import__("time").sleep(0.05)
+        time.sleep(0.05)
         return state.replace(step=state.step + 1), {"loss": learning_rate}
 
     state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
@@ -233,16 +341,16 @@ def test_schedule_and_time_budget(tmp_path):
     # Steps that slow down after the pace was measured (a busy machine, evaluations): the
     # schedule is shortened and the run still ends near its budget, with its rate annealed.
     def slowing_step(state, learning_rate):
-        __import__("time").sleep(0.02 if int(state.step) < 20 else 0.08)
+        time.sleep(0.02 if int(state.step) < 20 else 0.08)
         return state.replace(step=state.step + 1), {"loss": learning_rate}
 
     state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
-    began = __import__("time").perf_counter()
+    began = time.perf_counter()
     state, history = train_target.run_training(
         state, slowing_step, lambda step: (), optim=dataclasses.replace(optim, steps=1000),
         ckpt_dir=tmp_path / "slowing", save_every=1000, resume=False, desc="budget", postfix=lambda m: {},
         time_budget=2.0)
-    seconds = __import__("time").perf_counter() - began
+    seconds = time.perf_counter() - began
     total = json.loads((tmp_path / "slowing" / "schedule.json").read_text())["total_steps"]
     assert int(state.step) == len(history) == total and seconds < 3.0  # unchecked: ~5.6 s
     assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
