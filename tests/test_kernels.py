@@ -249,6 +249,16 @@ def test_norm_rope_write(case, interpret, check):
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
 
 
+def _qkv_projection(rng, batch: int, q_len: int, group: int, head_dim: int, dtype, theta: float):
+    """A random fused q|k|v projection [batch, q_len, (Hq + 2 Hkv) * D] (2 KV heads), the q and k
+    norm weights, and the kernels' static arguments."""
+    kv_heads = 2
+    heads = kv_heads * group
+    qkv = jnp.asarray(3 * rng.standard_normal((batch, q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
+    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
+    return qkv, q_w, k_w, dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=theta)
+
+
 # (dtype, GQA group, head_dim, page size, tokens per sequence)
 QKV_CASES = [("f32", 1, 64, 16, 6), ("bf16", 4, 128, 32, 5), ("f32", 8, 64, 32, 1), ("bf16", 8, 128, 16, 16)]
 
@@ -259,12 +269,11 @@ def test_qkv_norm_rope_write(case, interpret, check):
     dtype, group, head_dim, page_size, q_len = case
     dtype = DTYPES[dtype]
     rng = _rng("qkv_write", case)
-    kv_heads = 2
-    heads = kv_heads * group
     lens = [page_size + 3, 2 * page_size, 1]  # ragged, an exact page multiple, a fresh prompt
+    qkv, q_w, k_w, kw = _qkv_projection(rng, len(lens), q_len, group, head_dim, dtype, theta=1e4)
     pages_per_seq = -(-(max(lens) + q_len) // page_size) + 1
     k_pages, v_pages, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
-                                         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                         kv_heads=kw["num_kv_heads"], head_dim=head_dim, dtype=dtype,
                                          spare=pages_per_seq)
     table = np.array(table)
     for b, n in enumerate(lens):  # pages for the new tokens, from the free (NaN) ones
@@ -274,10 +283,7 @@ def test_qkv_norm_rope_write(case, interpret, check):
             table[b, p] = free.pop(rng.integers(len(free)))
     positions = np.asarray(lens)[:, None] + np.arange(q_len)[None, :]
     positions[0, -1] = pages_per_seq * page_size  # past the page table: dropped
-    qkv = jnp.asarray(3 * rng.standard_normal((len(lens), q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
-    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
     args = (qkv, q_w, k_w, jnp.asarray(positions, jnp.int32), k_pages, v_pages, jnp.asarray(table))
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=1e4)
     outs = pk.qkv_norm_rope_write(*args, interpret=interpret, **kw)
     refs = _reference(pk.qkv_norm_rope_write_reference, *args, **kw)
     check(outs[0], refs[0], dtype)
@@ -299,13 +305,9 @@ def test_qkv_norm_rope(case, interpret, check):
     dtype, group, head_dim, q_len, block_rows = case
     dtype = DTYPES[dtype]
     rng = _rng("qkv_block", case)
-    kv_heads = 2
-    heads = kv_heads * group
     batch = 3
-    qkv = jnp.asarray(3 * rng.standard_normal((batch, q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
-    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
+    qkv, q_w, k_w, kw = _qkv_projection(rng, batch, q_len, group, head_dim, dtype, theta=1e6)
     positions = jnp.asarray(rng.integers(0, 40_000, (batch, q_len)), jnp.int32)
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=1e6)
     outs = pk.qkv_norm_rope(qkv, q_w, k_w, positions, interpret=interpret, block_rows=block_rows, **kw)
     refs = _reference(pk.qkv_norm_rope_reference, qkv, q_w, k_w, positions, **kw)
     for out, ref in zip(outs[:2], refs[:2], strict=True):
