@@ -193,8 +193,7 @@ def open_draft_run(target: Target, out_dir: str | Path, draft_config: DraftConfi
                    data_record: dict, *, ckpt_dir: str | Path | None = None, resume: bool = False,
                    overwrite: bool = False) -> Path:
     """Claim the run's checkpoint folder (default OUT.ckpt, returned) and ``out_dir`` for the
-    target, draft, data and recipe (``claim_run_folders``). Done again with the same arguments,
-    it changes nothing."""
+    target, draft, data and recipe (``claim_run_folders``), before any training work."""
     out_dir = Path(out_dir)
     ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
     draft_config.check_target(target.config)
@@ -216,6 +215,15 @@ def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft
     data_record = {"rows": len(rows), "seq_len": rows.seq_len} if data_record is None else data_record
     ckpt_dir = open_draft_run(target, out_dir, draft_config, train, data_record, ckpt_dir=ckpt_dir, resume=resume,
                               overwrite=overwrite)
+    return train_in_run(target, rows, out_dir, draft_config, train, ckpt_dir, resume=resume,
+                        export_dtype=export_dtype, max_shard_mb=max_shard_mb)
+
+
+def train_in_run(target: Target, rows: data.TokenRows, out_dir: str | Path, draft_config: DraftConfig,
+                 train: DraftTrainConfig, ckpt_dir: Path, *, resume: bool, export_dtype="bfloat16",
+                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> Draft:
+    """``train_draft``'s training and export, in a run folder ``open_draft_run`` has claimed (the
+    CLI claims it before building its rows, which can take long)."""
     params = init_draft_params(draft_config, jax.random.key(train.seed + 1), jnp.float32)
     state = TrainState.create(params, make_optimizer(train.optim))
     target_params = cast_params(target.params, jnp.dtype(train.compute_dtype))
@@ -386,11 +394,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.regenerate:
             data_record.update(prompt_len=args.prompt_len, regen_temperature=args.regen_temperature,
                                regen_batch=args.regen_batch)  # batches draw their own seeds
-        run = dict(ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
-        open_draft_run(target, args.out, draft_config, train, data_record, **run)  # before the (long) data work
+        ckpt_dir = open_draft_run(target, args.out, draft_config, train, data_record, ckpt_dir=args.ckpt_dir,
+                                  resume=args.resume, overwrite=args.overwrite)
         rows = _training_rows(args, target, tokenizer, eos_id)
-        draft = train_draft(target, rows, args.out, draft_config, train, data_record=data_record,
-                            max_shard_mb=args.max_shard_mb, **run)
+        draft = train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
+                             max_shard_mb=args.max_shard_mb)
         draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
         print(f"train_draft: exported {args.out}")
     if args.eval_prompts:
