@@ -153,6 +153,32 @@ class PreparedGeneration:
     def _draft_params(self):
         return None if self.draft is None else self.draft.params
 
+    def run(self, seed: int = 0, *, on_chunk: Callable[[list[list[int]]], None] | None = None,
+            replay_alpha: float | None = None) -> GenerationResult:
+        """Prefill and decode until every sequence is done (``generate`` documents the arguments)."""
+        if self.config.accept_replay != (replay_alpha is not None):
+            raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
+        batch = self.inputs[0].shape[0]
+        start = time.perf_counter()
+        state = jax.block_until_ready(self.prefill(seed))
+        prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        while True:
+            state = self.chunk(state, replay_alpha)
+            done, counts, out = jax.device_get((state.done, state.num_generated, state.tokens))
+            if on_chunk is not None:
+                on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
+            if done.all():
+                break
+        decode_seconds = time.perf_counter() - start
+
+        steps, accept = jax.device_get((state.steps, state.accept_lengths))
+        stats = GenerationStats(accept_lengths=[accept[i, :steps[i]].tolist() for i in range(batch)],
+                                new_tokens=counts.tolist(), block_size=self.config.block_size,
+                                compile_seconds=self.compile_seconds, prefill_seconds=prefill_seconds,
+                                decode_seconds=decode_seconds)
+        return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
+
 
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
@@ -247,26 +273,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
                        stop_token_ids=stop_token_ids, block_size=block_size, page_size=page_size,
                        num_pages=num_pages, impl=impl, chunk_steps=chunk_steps,
                        steps_per_check=steps_per_check, accept_replay=accept_replay is not None)
-    batch = len(prompts)
-    start = time.perf_counter()
-    state = jax.block_until_ready(prepared.prefill(seed))
-    prefill_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    while True:
-        state = prepared.chunk(state, accept_replay)
-        done, counts, out = jax.device_get((state.done, state.num_generated, state.tokens))
-        if on_chunk is not None:
-            on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
-        if done.all():
-            break
-    decode_seconds = time.perf_counter() - start
-
-    steps, accept = jax.device_get((state.steps, state.accept_lengths))
-    stats = GenerationStats(accept_lengths=[accept[i, :steps[i]].tolist() for i in range(batch)],
-                            new_tokens=counts.tolist(), block_size=prepared.config.block_size,
-                            compile_seconds=prepared.compile_seconds, prefill_seconds=prefill_seconds,
-                            decode_seconds=decode_seconds)
-    return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
+    return prepared.run(seed, on_chunk=on_chunk, replay_alpha=accept_replay)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -395,16 +402,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.devices()[0].device_kind}", file=sys.stderr)
 
     def run(use_draft: Draft | None, stream: bool) -> GenerationResult:
+        # Prepared (checked and compiled) before the prompt is echoed, so a bad setting is one
+        # error line, not a half-printed answer.
+        prepared = prepare(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
+                           sampling=sampling, stop_token_ids=tokenizer.stop_token_ids,
+                           block_size=args.block_size if use_draft else None, page_size=args.page_size,
+                           impl=args.impl, chunk_steps=args.chunk_steps, steps_per_check=args.steps_per_check)
         printer = TextStream(tokenizer)
         if stream:
             print(texts[0], end="", flush=True)
-        result = generate(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
-                          sampling=sampling, stop_token_ids=tokenizer.stop_token_ids,
-                          block_size=args.block_size if use_draft else None, page_size=args.page_size,
-                          seed=args.seed, impl=args.impl, chunk_steps=args.chunk_steps,
-                          steps_per_check=args.steps_per_check,
-                          on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
-                          if stream else None)
+        result = prepared.run(args.seed, on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
+                              if stream else None)
         if stream:
             print(printer.update(result.tokens[0], final=True), flush=True)
         return result

@@ -88,6 +88,7 @@ def test_cli_errors_are_one_line(model_dirs, args, message):
     run = _cli(*base, *args)
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
+    assert run.stdout == ""  # the error comes before the prompt would be echoed
 
 
 def test_cli_without_model_explains_what_to_pass(monkeypatch):
@@ -143,14 +144,14 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     tokenizer = Tokenizer(target_dir)
     tokens = tokenizer.encode(" = '日本")[:-1]
 
-    def generate_cut(target, prompts, *, on_chunk, **kwargs):
+    def run_cut(prepared, seed=0, *, on_chunk, replay_alpha=None):
         on_chunk([tokens[:2]])
         on_chunk([tokens])
         stats = generate.GenerationStats(accept_lengths=[[]], new_tokens=[len(tokens)], block_size=1,
                                          compile_seconds=0.0, prefill_seconds=0.0, decode_seconds=1.0)
         return generate.GenerationResult([tokens], stats)
 
-    monkeypatch.setattr(generate, "generate", generate_cut)
+    monkeypatch.setattr(generate.PreparedGeneration, "run", run_cut)
     assert generate.main(["--target", str(target_dir), "--prompt", "x", "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == "x" + tokenizer.decode(tokens) + "\n"
 
