@@ -324,11 +324,16 @@ def save_params(directory: Path, params) -> None:
         checkpointer.save((directory / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
 
 
-def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None):
+def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None, *,
+                   progress: bool = False):
     """Read an orbax params checkpoint into the structure of ``abstract`` (ShapeDtypeStructs):
     leaves are cast to its dtypes and placed with ``sharding`` (default: the first device).
     Raises CheckpointError naming the leaf when the stored params do not match ``abstract``
-    (orbax itself would fill a missing leaf with None)."""
+    (orbax itself would fill a missing leaf with None).
+
+    Read one group of sibling leaves at a time (a layer; the top-level tensors), which bounds the
+    host memory orbax stages to about one layer (in one call it stages up to the whole model,
+    measured 1.5x its size at peak) and lets ``progress`` show a tqdm bar over bytes on stderr."""
     import orbax.checkpoint as ocp
 
     path = (Path(directory) / PARAMS_DIR).absolute()
@@ -342,10 +347,26 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
             raise CheckpointError(f"{directory}: params leaf '{'.'.join(map(str, key))}' is {describe(have)} "
                                   f"in the checkpoint, config.json expects {describe(want)}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
-    # orbax reads up to this many bytes at once into host buffers: by default 96 GB, i.e. the
-    # whole model (measured 1.5x its size at peak). The largest leaf (at 4 bytes an element, an
-    # upper bound here), at least 256 MB, keeps the extra near that size.
-    largest = max(int(np.prod(leaf.shape)) * 4 for leaf in wanted.values())
-    with ocp.StandardCheckpointer(restore_concurrent_gb=max(largest, 2**28) / 10**9) as checkpointer:
-        return checkpointer.restore(path, abstract)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    groups = collections.defaultdict(list)  # parent key path -> indices of its leaves
+    for index, (leaf_path, _) in enumerate(paths):
+        groups[_key_path(leaf_path)[:-1]].append(index)
+    leaves = [leaf for _, leaf in paths]
+    restored = [None] * len(leaves)
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {Path(directory).name}",
+              disable=not progress, file=sys.stderr) as bar, \
+            ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        for indices in groups.values():
+            def only_group(make):
+                return jax.tree_util.tree_unflatten(treedef, [
+                    make(leaves[i]) if i in indices else ocp.PLACEHOLDER for i in range(len(leaves))])
+            item = only_group(lambda leaf: leaf)
+            restore_args = only_group(lambda leaf: ocp.ArrayRestoreArgs(
+                sharding=sharding, dtype=leaf.dtype, global_shape=leaf.shape))
+            out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+            out_leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+            for i in indices:
+                restored[i] = out_leaves[i]
+                bar.update(leaves[i].size * leaves[i].dtype.itemsize)
+    return jax.tree_util.tree_unflatten(treedef, restored)

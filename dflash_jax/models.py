@@ -37,21 +37,21 @@ def _dtype(dtype):
     return dtype
 
 
-def _restore_converted(path: Path, kind: str, init):
+def _restore_converted(path: Path, kind: str, init, progress: bool):
     """Params of a converted folder, read straight into the dtypes of ``init()``'s params
     (whatever dtype they were converted to) on the default device."""
     checkpoint.read_marker(path, kind)
-    return checkpoint.restore_params(path, jax.eval_shape(init))
+    return checkpoint.restore_params(path, jax.eval_shape(init), progress=progress)
 
 
 def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False) -> Target:
     """Qwen3 target from an HF folder (safetensors) or a folder made by checkpoints_convert.
-    ``progress`` shows a tqdm bar on stderr while an HF folder's tensors are read."""
+    ``progress`` shows a tqdm bar on stderr while the weights are read."""
     path, dtype = Path(path), _dtype(dtype)
     if checkpoint.is_converted(path):
         config = load_target_config(path)
         init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
-        return Target(config, _restore_converted(path, "target", init), path)
+        return Target(config, _restore_converted(path, "target", init, progress), path)
     config, params = checkpoint.load_hf_target(path, dtype, progress=progress)
     return Target(config, params, path)
 
@@ -66,6 +66,6 @@ def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16",
         config.check_target(target.config)
     if checkpoint.is_converted(path):
         init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
-        return Draft(config, _restore_converted(path, "draft", init), path)
+        return Draft(config, _restore_converted(path, "draft", init, progress), path)
     _, params = checkpoint.load_hf_draft(path, dtype, progress=progress)
     return Draft(config, params, path)

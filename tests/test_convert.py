@@ -141,11 +141,13 @@ def test_target_round_trip_is_bit_exact(tmp_path, src_dtype, out_dtype, tied, sh
     assert not list(out.glob("*.safetensors"))
 
 
-def test_converted_folder_loads_in_another_dtype(tmp_path):
+def test_converted_folder_loads_in_another_dtype(tmp_path, capsys):
     src, out = tmp_path / "hf", tmp_path / "converted"
     make_target(src)
     convert(src, out, dtype="float32", progress=False)
-    assert_same_tree(load_target(out, dtype="bfloat16").params, load_target(src, dtype="bfloat16").params)
+    assert_same_tree(load_target(out, dtype="bfloat16", progress=True).params,
+                     load_target(src, dtype="bfloat16").params)
+    assert "reading converted: 100%" in capsys.readouterr().err  # a bar over bytes, layer by layer
 
 
 def test_zlab_draft_round_trip(tmp_path):
