@@ -11,10 +11,10 @@ Up to ``anchors`` random anchors t (t and t+1 supervised) each open a block
 attends to itself (bidirectionally) and to context positions < t; blocks never see each other.
 Loss: cross-entropy weighted by exp(-(k-1)/gamma) at block position k, over the total weight.
 
-Checkpoints, the run's settings (run.json) and its per-step log (train_log.json) go to
-``--ckpt-dir`` (default OUT.ckpt), which holds one run: a new run refuses a folder with
-checkpoints and a non-empty ``--out`` (unless ``--overwrite``); ``--resume`` continues the run
-there with the same settings.
+Checkpoints, the run's settings (run.json), its per-step log (train_log.json) and the target's
+``--regenerate`` responses (regenerated.npz) go to ``--ckpt-dir`` (default OUT.ckpt), which holds
+one run: a new run refuses a folder with checkpoints and a non-empty ``--out`` (unless
+``--overwrite``); ``--resume`` continues the run there with the same settings and responses.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -303,6 +304,26 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
     return data.prompt_response_rows(prompts, responses, seq_len, pad_id)
 
 
+REGENERATED_FILE = "regenerated.npz"  # in the run's checkpoint folder
+
+
+def regenerated_rows(ckpt_dir: Path, record: dict, make: Callable[[], data.TokenRows]) -> data.TokenRows:
+    """The rows ``make()`` regenerates, kept in ``ckpt_dir`` with ``record`` (JSON: everything they
+    depend on). A later call with an equal record, such as a resumed run, reads them back instead
+    of generating again; a different record regenerates and replaces them."""
+    path, key = Path(ckpt_dir) / REGENERATED_FILE, json.dumps(record, sort_keys=True)
+    if path.is_file():
+        with np.load(path) as saved:
+            if "record" in saved and str(saved["record"]) == key:
+                print(f"train_draft: reusing the target's responses in {path}")
+                return data.TokenRows(saved["tokens"].astype(np.int32), saved["loss_mask"].astype(bool))
+    rows = make()
+    partial = path.with_name("regenerated.partial.npz")
+    np.savez(partial, tokens=rows.tokens, loss_mask=rows.loss_mask, record=np.array(key))
+    partial.replace(path)  # whole or absent: an interrupted save is never read back
+    return rows
+
+
 def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float, seed: int = 0) -> dict:
     """τ (mean tokens per step) of DFlash generation on ``prompts``, and the speedup over plain
@@ -396,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
                                regen_batch=args.regen_batch)  # batches draw their own seeds
         ckpt_dir = open_draft_run(target, args.out, draft_config, train, data_record, ckpt_dir=args.ckpt_dir,
                                   resume=args.resume, overwrite=args.overwrite)
-        rows = _training_rows(args, target, tokenizer, eos_id)
+        rows = _training_rows(args, target, tokenizer, eos_id, ckpt_dir, data_record)
         draft = train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
                              max_shard_mb=args.max_shard_mb)
         draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
@@ -414,14 +435,20 @@ def main(argv: list[str] | None = None) -> None:
         (Path(args.out).with_name(Path(args.out).name + ".eval.json")).write_text(json.dumps(results, indent=1))
 
 
-def _training_rows(args, target: Target, tokenizer, eos_id: int | None) -> data.TokenRows:
-    """The CLI's training rows: token files as they are, text packed, or target-written responses."""
+def _training_rows(args, target: Target, tokenizer, eos_id: int | None, ckpt_dir: Path,
+                   data_record: dict) -> data.TokenRows:
+    """The CLI's training rows: token files as they are, text packed, or target-written responses
+    (regenerated once per run: ``--resume`` reads them back from the checkpoint folder)."""
     pad_id = eos_id if eos_id is not None else 0
     token_rows, documents = load_rows_or_documents(args.data, tokenizer, eos_id)
     if args.regenerate:
         prompts = sample_prompts(documents, args.regenerate, args.prompt_len, args.seed)
-        token_rows.append(regenerate(target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature,
-                                     batch_size=args.regen_batch, pad_id=pad_id, seed=args.seed))
+        digest = hashlib.sha256(np.concatenate([np.asarray(p, np.int64) for p in prompts]).tobytes())
+        record = {"target": str(Path(args.target).absolute()), "dtype": args.dtype, "data": data_record,
+                  "seed": args.seed, "prompts_sha256": digest.hexdigest()}
+        token_rows.append(regenerated_rows(ckpt_dir, record, lambda: regenerate(
+            target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature, batch_size=args.regen_batch,
+            pad_id=pad_id, seed=args.seed)))
     elif documents:
         token_rows.append(data.pack_stream(documents, args.seq_len))
     rows = data.concat_rows(token_rows)

@@ -246,6 +246,39 @@ def test_eval_only_prints_an_untimed_speedup_as_na(trained, monkeypatch, capsys)
     assert capsys.readouterr().out.count("speedup n/a") == 2
 
 
+def test_resume_reads_back_the_regenerated_responses(trained, tmp_path, monkeypatch):
+    root, _ = trained
+    args = ["--target", str(root / "target"), "--out", str(tmp_path / "draft"), "--data", TEXT_GLOB,
+            "--regenerate", "4", "--regen-batch", "4", "--prompt-len", "16", "--seq-len", "32",
+            "--num-layers", "1", "--block-size", "4", "--anchors", "4", "--batch", "2", "--steps", "2",
+            "--save-every", "1", "--dtype", "float32"]
+    train_draft.main(args)
+    ckpt = tmp_path / "draft.ckpt"
+    first = json.loads((ckpt / "train_log.json").read_text())
+    shutil.rmtree(ckpt / "state" / "2")
+
+    def regenerate_again(*args, **kwargs):
+        raise AssertionError("--resume generated the responses again")
+    monkeypatch.setattr(train_draft, "regenerate", regenerate_again)
+    train_draft.main(args + ["--resume"])
+    resumed = json.loads((ckpt / "train_log.json").read_text())
+    np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in first], rtol=1e-6)
+
+
+def test_regenerated_rows_are_kept_per_record(tmp_path):
+    rows = data.TokenRows(np.arange(8, dtype=np.int32).reshape(2, 4), np.ones((2, 4), bool))
+    made = []
+
+    def make():
+        made.append(1)
+        return rows
+    for record in ({"seed": 0}, {"seed": 0}, {"seed": 1}, {"seed": 1}):
+        again = train_draft.regenerated_rows(tmp_path, record, make)
+        np.testing.assert_array_equal(again.tokens, rows.tokens)
+        np.testing.assert_array_equal(again.loss_mask, rows.loss_mask)
+    assert len(made) == 2 and [p.name for p in tmp_path.iterdir()] == [train_draft.REGENERATED_FILE]
+
+
 def test_generation_stops_where_the_generate_cli_does(trained, tmp_path):
     folder = tmp_path / "target"
     shutil.copytree(trained[0] / "target", folder)
