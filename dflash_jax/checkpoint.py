@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -312,13 +314,21 @@ def save_params(directory: Path, params) -> None:
 
     Numpy leaves are written in place: orbax's default deep-copies host arrays, and compression
     buffers every encoded array until the commit, each nearly doubling peak memory. Without
-    them a conversion peaks at about the params' own size.
+    them a conversion peaks at about the params' own size. orbax-checkpoint < 0.12.5 always
+    copies (a warning says so).
     """
     import orbax.checkpoint as ocp
 
     handlers = ocp.type_handlers
+    if "deepcopy_host_arrays" in inspect.signature(handlers.NumpyHandler).parameters:
+        numpy_handler = handlers.NumpyHandler(deepcopy_host_arrays=False)
+    else:
+        warnings.warn("this orbax-checkpoint (< 0.12.5) copies every array before writing it, so saving "
+                      "needs about twice the params' size in host memory; a newer orbax-checkpoint does not",
+                      stacklevel=2)
+        numpy_handler = handlers.NumpyHandler()
     registry = handlers.create_type_handler_registry(
-        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)), (jax.Array, handlers.ArrayHandler()))
+        (np.ndarray, numpy_handler), (jax.Array, handlers.ArrayHandler()))
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save((directory / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))

@@ -150,6 +150,22 @@ def test_converted_folder_loads_in_another_dtype(tmp_path, capsys):
     assert "reading converted: 100%" in capsys.readouterr().err  # a bar over bytes, layer by layer
 
 
+def test_save_params_with_an_orbax_that_always_copies(tmp_path, monkeypatch):
+    """orbax-checkpoint < 0.12.5 (the GPU image has 0.12.4) has no deepcopy_host_arrays: saving
+    still works, with a warning about the memory it takes."""
+    import orbax.checkpoint as ocp
+
+    class CopyingNumpyHandler(ocp.type_handlers.NumpyHandler):
+        def __init__(self):
+            super().__init__()
+    monkeypatch.setattr(ocp.type_handlers, "NumpyHandler", CopyingNumpyHandler)
+    params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
+    with pytest.warns(UserWarning, match="twice the params' size"):
+        checkpoint.save_params(tmp_path, params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert_same_tree(checkpoint.restore_params(tmp_path, abstract), params)
+
+
 def test_zlab_draft_round_trip(tmp_path):
     src, out = tmp_path / "draft", tmp_path / "converted"
     make_zlab_draft(src)
