@@ -166,13 +166,21 @@ def prompt_response_rows(prompts: Sequence[Sequence[int]], responses: Sequence[S
     return TokenRows(tokens, mask)
 
 
-def save_token_file(path: str | Path, rows: TokenRows) -> None:
-    np.savez_compressed(path, tokens=rows.tokens, loss_mask=rows.loss_mask)
+def save_token_file(path: str | Path, rows: TokenRows, *, record: str | None = None) -> None:
+    """Rows as .npz; ``record`` (optional text) says what they were made from."""
+    extra = {} if record is None else {"record": np.array(record)}
+    np.savez_compressed(path, tokens=rows.tokens, loss_mask=rows.loss_mask, **extra)
 
 
 def load_token_file(path: str | Path) -> TokenRows:
     with np.load(path) as data:
         return TokenRows(data["tokens"].astype(np.int32), data["loss_mask"].astype(bool))
+
+
+def token_file_record(path: str | Path) -> str | None:
+    """The ``record`` a token file was saved with, if any."""
+    with np.load(path) as data:
+        return str(data["record"]) if "record" in data else None
 
 
 def concat_rows(parts: Sequence[TokenRows]) -> TokenRows:

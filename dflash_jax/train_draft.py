@@ -312,14 +312,12 @@ def regenerated_rows(ckpt_dir: Path, record: dict, make: Callable[[], data.Token
     depend on). A later call with an equal record, such as a resumed run, reads them back instead
     of generating again; a different record regenerates and replaces them."""
     path, key = Path(ckpt_dir) / REGENERATED_FILE, json.dumps(record, sort_keys=True)
-    if path.is_file():
-        with np.load(path) as saved:
-            if "record" in saved and str(saved["record"]) == key:
-                print(f"train_draft: reusing the target's responses in {path}")
-                return data.TokenRows(saved["tokens"].astype(np.int32), saved["loss_mask"].astype(bool))
+    if path.is_file() and data.token_file_record(path) == key:
+        print(f"train_draft: reusing the target's responses in {path}")
+        return data.load_token_file(path)
     rows = make()
     partial = path.with_name("regenerated.partial.npz")
-    np.savez(partial, tokens=rows.tokens, loss_mask=rows.loss_mask, record=np.array(key))
+    data.save_token_file(partial, rows, record=key)
     partial.replace(path)  # whole or absent: an interrupted save is never read back
     return rows
 
