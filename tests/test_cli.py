@@ -98,6 +98,32 @@ def test_cli_without_model_explains_what_to_pass(monkeypatch):
     assert generate.main([]) == 2
 
 
+def test_cli_baseline_names_the_first_difference(model_dirs, monkeypatch, capsys):
+    """When the --baseline outputs differ, the CLI says where, and why bf16 can flip a near-tie."""
+    import dataclasses
+
+    from dflash_jax import generate
+
+    original = generate.PreparedGeneration.run
+
+    def plain_differs(self, *args, **kwargs):  # the plain run's third new token changed
+        result = original(self, *args, **kwargs)
+        if self.draft is not None:
+            return result
+        tokens = [list(t) for t in result.tokens]
+        tokens[0][2] ^= 1
+        return dataclasses.replace(result, tokens=tokens)
+
+    monkeypatch.setattr(generate.PreparedGeneration, "run", plain_differs)
+    target_dir, draft_dir = model_dirs
+    assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "6",
+                          "--baseline", "--impl", "reference"]) == 0
+    err = capsys.readouterr().err
+    assert "outputs identical: False" in err
+    assert ("[compare] first difference: sequence 0, new token 2; in bfloat16 a block verify and a "
+            "one-token decode round differently") in err
+
+
 def _reject_nan(constant):
     raise AssertionError(f"invalid JSON constant {constant}")
 
