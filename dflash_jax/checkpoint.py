@@ -9,6 +9,7 @@ place in the params pytree; loading and exporting both read it, so the names liv
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -23,7 +24,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
+from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config, read_json
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 
 PARAMS_DIR = "params"          # orbax checkpoint inside a converted folder
@@ -137,7 +138,11 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of an HF folder: model.safetensors, or the shards its index names."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
             raise CheckpointError(f"{index} names shard file(s) that are missing: {missing}")
@@ -148,19 +153,38 @@ def safetensors_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """safe_open, with a corrupt or truncated file reported as a CheckpointError naming it
+    (safetensors raises its own SafetensorError, neither an OSError nor a ValueError)."""
+    try:
+        handle = safe_open(str(path), framework="numpy")
+    except Exception as error:  # noqa: BLE001 - any failure to parse the header
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from error
+    with handle:
+        yield handle
+
+
+def _load_tensor(handle, path: Path, name: str) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except Exception as error:  # noqa: BLE001 - e.g. a dtype numpy lacks (float8), truncated data
+        raise CheckpointError(f"{path}: tensor '{name}' could not be read ({error})") from error
+
+
 def iter_tensors(directory: Path) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
     """(name, load, shape) for every tensor, loading one tensor at a time on demand."""
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="numpy") as handle:
+        with _open_safetensors(path) as handle:
             for name in handle.keys():
                 shape = tuple(handle.get_slice(name).get_shape())
-                yield name, (lambda h=handle, n=name: h.get_tensor(n)), shape
+                yield name, (lambda h=handle, p=path, n=name: _load_tensor(h, p, n)), shape
 
 
 def _count_tensors(directory: Path) -> int:
     total = 0
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="numpy") as handle:
+        with _open_safetensors(path) as handle:
             total += len(handle.keys())
     return total
 
@@ -230,11 +254,33 @@ def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fa
     """
     directory = Path(directory)
     config = load_target_config(directory)
-    # A tied checkpoint may still carry a copy of lm_head.
-    ignored = lambda name: _rotary(name) or (name == "lm_head.weight" and config.tie_word_embeddings)  # noqa: E731
-    values = _read(directory, target_slots(config), dtype, ignored, host=host, progress=progress)
+    stored_head = []
+
+    def ignored(name: str) -> bool:
+        if name == "lm_head.weight" and config.tie_word_embeddings:  # a tied checkpoint may carry a copy
+            stored_head.append(name)
+            return True
+        return _rotary(name)
+
+    slots = target_slots(config)
+    values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
+    if stored_head:
+        _warn_if_head_differs(directory, values[slots["model.embed_tokens.weight"].path])
     structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
     return config, _fill(structure, values)
+
+
+def _warn_if_head_differs(directory: Path, embed) -> None:
+    """A tied checkpoint's stored lm_head.weight is ignored; say so when it is not the embedding."""
+    embed = np.asarray(embed)
+    for name, load, _ in iter_tensors(directory):
+        if name == "lm_head.weight":
+            if not np.array_equal(np.asarray(load(), dtype=embed.dtype), embed):
+                warnings.warn(f"{directory}: config.json ties the LM head to the embedding "
+                              "(tie_word_embeddings), so the stored lm_head.weight, which differs "
+                              "from it, is ignored (as vLLM does; transformers 5 would use it)",
+                              stacklevel=3)
+            return
 
 
 def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,

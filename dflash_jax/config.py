@@ -23,16 +23,18 @@ def _rope_theta(raw: dict, where: str) -> float:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
         raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only default RoPE)")
-    theta = raw.get("rope_theta", params.get("rope_theta"))
+    # transformers 5 reads rope_parameters first; the top-level rope_theta is the older form
+    theta = params.get("rope_theta", raw.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
     return float(theta)
 
 
-def _token_ids(value) -> tuple[int, ...]:
+def token_ids(value) -> tuple[int, ...]:
+    """An int, a list of ints or None (null entries of a list are skipped) as a tuple."""
     if value is None:
         return ()
-    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        quantization = raw.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise ConfigError(f"{where}: quantized checkpoints (quantization_config, quant_method "
+                              f"'{method}') are not supported; use the bfloat16 release")
         if raw.get("attention_bias"):
             raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
         act = raw.get("hidden_act", "silu")
@@ -80,10 +87,11 @@ class ModelConfig:
         hidden = int(_require(raw, "hidden_size", where))
         heads = int(_require(raw, "num_attention_heads", where))
         layers = int(_require(raw, "num_hidden_layers", where))
-        # transformers' Qwen3Config: the window exists only with use_sliding_window; without
-        # explicit layer_types, layers from max_window_layers on slide.
-        use_window = bool(raw.get("use_sliding_window", False))
-        window = int(raw.get("sliding_window") or 4096) if use_window else None
+        # transformers' Qwen3Config: the window (4096 when the field is absent, none when it is
+        # null) exists only with use_sliding_window; without explicit layer_types, layers from
+        # max_window_layers on slide.
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+        window = None if window is None else int(window)
         layer_types = tuple(raw.get("layer_types") or (
             "sliding_attention" if window is not None and i >= int(raw.get("max_window_layers", 28))
             else "full_attention" for i in range(layers)))
@@ -93,15 +101,17 @@ class ModelConfig:
             intermediate_size=int(_require(raw, "intermediate_size", where)),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            # transformers' Qwen3Config defaults: 32 KV heads when the field is absent, one per
+            # query head when it is null; head_dim 128 (not hidden // heads)
+            num_kv_heads=int(raw.get("num_key_value_heads", 32) or heads),
+            head_dim=int(raw.get("head_dim") or 128),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, where),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
             sliding_window=window,
             layer_types=layer_types,
-            eos_token_ids=_token_ids(raw.get("eos_token_id")),
+            eos_token_ids=token_ids(raw.get("eos_token_id")),
         )
 
 
@@ -230,14 +240,22 @@ class DraftConfig:
                               f"vocabulary of {target.vocab_size}")
 
 
+def read_json(path: str | Path) -> Any:
+    """A JSON file of a model folder; ConfigError naming the file when it does not parse."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error})") from error
+
+
 def read_config_json(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: expected an HF model folder with config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON ({error})") from error
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return raw
 
 
 def load_target_config(directory: str | Path) -> ModelConfig:

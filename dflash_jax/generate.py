@@ -209,7 +209,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     elif block_size not in (None, 1):
         raise ValueError("block_size needs a draft")
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
-                        block_size=block_size or 1, sampling=sampling, impl=impl, accept_replay=accept_replay)
+                        block_size=1 if block_size is None else block_size, sampling=sampling, impl=impl, accept_replay=accept_replay)
 
     configs = [target.config] + ([draft.config.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size)
@@ -284,6 +284,8 @@ DEFAULT_MODEL = Path(__file__).parent / "default_model"
 def _read_prompts(args) -> list[str]:
     """--prompt, or the non-blank lines of --batch-file (.jsonl: the "prompt" of each object)."""
     if not args.batch_file:
+        if not args.prompt:
+            raise ValueError("--prompt is empty")
         return [args.prompt]
     path = Path(args.batch_file)
     if not path.is_file():
@@ -303,6 +305,8 @@ def _jsonl_prompt(line: str, where: str) -> str:
         raise ValueError(f"{where}: not valid JSON ({error})") from error
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         raise ValueError(f'{where}: expected an object with a "prompt" string, got {line.strip()[:60]}')
+    if not record["prompt"]:
+        raise ValueError(f"{where}: the prompt is empty")
     return record["prompt"]
 
 
@@ -397,7 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         _check_flags(args, draft_dir)
         target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
         if draft_dir:
-            load_draft_config(draft_dir).check_target(target_config)
+            draft_config = load_draft_config(draft_dir)
+            draft_config.check_target(target_config)
+            if args.block_size is not None and not 2 <= args.block_size <= draft_config.block_size:
+                raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
+                                 f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
         texts = _read_prompts(args)
         if args.chat:

@@ -49,7 +49,10 @@ def _top_p_sorted(sorted_probs: jax.Array, top_p: float) -> jax.Array:
 
 def sampling_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     """Probabilities [..., V] (f32) that sampling at ``config`` draws from (T > 0)."""
-    scores = logits.astype(jnp.float32) / config.temperature
+    logits = logits.astype(jnp.float32)
+    # Shifted so the best score is 0 before dividing: a tiny temperature then gives -inf or 0,
+    # never inf - inf = NaN.
+    scores = (logits - jnp.max(logits, axis=-1, keepdims=True)) / config.temperature
     vocab = scores.shape[-1]
     if 0 < config.top_k < vocab:
         values, indices = jax.lax.top_k(scores, config.top_k)  # sorted descending

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
+
+from dflash_jax.config import read_json, token_ids
 
 
 class Tokenizer:
@@ -23,10 +24,12 @@ class Tokenizer:
             raise ValueError(f"{path}: not a readable tokenizer ({error})") from error
         self.directory = directory
         config_path = directory / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config = read_json(config_path) if config_path.is_file() else {}
+        if not isinstance(self.config, dict):
+            raise ValueError(f"{config_path} is not a JSON object")
         template_file = directory / "chat_template.jinja"  # where newer transformers save it
         self.chat_template = (template_file.read_text() if template_file.is_file()
-                              else self.config.get("chat_template"))
+                              else _default_template(self.config.get("chat_template"), config_path))
         self.stop_token_ids = self._stop_tokens(directory)
 
     def _token_id(self, token) -> int | None:
@@ -39,12 +42,12 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             path = directory / name
             if path.is_file():
-                eos = json.loads(path.read_text()).get("eos_token_id")
-                ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+                raw = read_json(path)
+                ids += token_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None)
         eos_token = self._token_id(self.config.get("eos_token"))
         if eos_token is not None:
             ids.append(eos_token)
-        return sorted(set(int(i) for i in ids))
+        return sorted(set(ids))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -57,7 +60,9 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError(f"{self.directory} has no chat template (neither chat_template.jinja nor a "
                              "chat_template in tokenizer_config.json); drop --chat")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        # as transformers renders templates: loop controls ({% break %}) on
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                 extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
@@ -66,6 +71,19 @@ class Tokenizer:
                 messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
         except jinja2.TemplateError as error:
             raise ValueError(f"{self.directory}: chat template failed: {error}") from error
+
+
+def _default_template(template, where: Path) -> str | None:
+    """A tokenizer_config chat_template: a string, or (an older form) a list of named templates,
+    of which transformers renders the one named 'default' when no tools are given."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(f"{where}: chat_template must be a string or a list of named templates with "
+                     "one named 'default'")
 
 
 def _raise(message: str):

@@ -70,7 +70,7 @@ def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: b
                 eos_token_id=None) -> Path:
     """save_pretrained, then optionally rewrite config.json in older styles: ``rope_style="theta"``
     puts ``rope_theta`` at the top level (no rope_parameters); ``drop_head_dim`` removes head_dim
-    (only valid when it equals hidden // heads)."""
+    (only valid when it is 128, transformers' Qwen3Config default)."""
     path = Path(path)
     model.save_pretrained(path)
 
@@ -78,7 +78,7 @@ def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: b
         if rope_style == "theta":
             raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
         if drop_head_dim:
-            assert raw["head_dim"] == raw["hidden_size"] // raw["num_attention_heads"]
+            assert raw["head_dim"] == 128
             del raw["head_dim"]
         if eos_token_id is not None:
             raw["eos_token_id"] = eos_token_id

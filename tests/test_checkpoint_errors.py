@@ -103,6 +103,57 @@ def test_missing_shard(tmp_path):
     _convert_fails(tmp_path / "hf", CheckpointError, f"missing: \\['{shard.name}'\\]")
 
 
+def test_truncated_shard(tmp_path):
+    make_target(tmp_path / "hf", max_shard_size="20KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    _convert_fails(tmp_path / "hf", CheckpointError, f"{shard.name}: not a readable safetensors file")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_target(tmp_path / "hf", "float32")
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', "not json"], ids=["no-weight-map", "not-json"])
+def test_broken_shard_index(tmp_path, index):
+    make_target(tmp_path / "hf", max_shard_size="20KB")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(index)
+    message = "has no 'weight_map' object" if "metadata" in index else "is not valid JSON"
+    _convert_fails(tmp_path / "hf", ValueError, f"model.safetensors.index.json {message}")
+
+
+def test_tensor_numpy_cannot_hold(target):
+    """An fp8 weight in a checkpoint that does not declare its quantization."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    path = target / "model.safetensors"
+    tensors = load_torch(str(path))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_torch(tensors, str(path), metadata={"format": "pt"})
+    _convert_fails(target, CheckpointError, f"tensor '{name}' could not be read")
+
+
+def test_quantized_checkpoint_is_refused(target):
+    _edit_config(target, lambda raw: raw.update(quantization_config={"quant_method": "fp8"}))
+    _convert_fails(target, ConfigError, r"quantized checkpoints .* 'fp8'\) are not supported")
+
+
+def test_tied_checkpoint_with_a_different_stored_head_warns(tmp_path):
+    import warnings
+
+    make_target(tmp_path / "hf", tie_word_embeddings=True)
+    embed = "model.embed_tokens.weight"
+    _edit_tensors(tmp_path / "hf", lambda t: t.update({"lm_head.weight": t[embed].copy()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an identical copy is silently ignored
+        load_target(tmp_path / "hf", "float32")
+    _edit_tensors(tmp_path / "hf", lambda t: t.update({"lm_head.weight": t[embed] + 1}))
+    with pytest.warns(UserWarning, match="stored lm_head.weight, which differs from it, is ignored"):
+        target = load_target(tmp_path / "hf", "float32")
+    np.testing.assert_array_equal(np.asarray(target.params.embed),
+                                  load_file(str(tmp_path / "hf" / "model.safetensors"))[embed])
+
+
 def test_missing_source(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         convert(tmp_path / "nowhere", tmp_path / "out", progress=False)

@@ -80,7 +80,9 @@ def test_cli_batch_file_and_chat(model_dirs, tmp_path):
     (["--target", "/nonexistent"], "not found"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--top-p", "0"], "top_p"),
-    (["--block-size", "9"], "block_size"),
+    (["--block-size", "9"], "--block-size must be in [2, 4] (the draft's trained block size), got 9"),
+    (["--block-size", "0"], "--block-size must be in [2, 4] (the draft's trained block size), got 0"),
+    (["--prompt", ""], "--prompt is empty"),
 ])
 def test_cli_errors_are_one_line(model_dirs, args, message):
     target_dir, draft_dir = model_dirs
@@ -149,6 +151,42 @@ def test_cli_one_new_token_reports_undefined_stats_as_na(model_dirs, tmp_path, c
     assert capsys.readouterr().err == ""
 
 
+def _tokenizer_folder(tmp_path, **files):
+    """The embedded model's tokenizer.json plus the given side files (name -> text)."""
+    import shutil
+
+    from dflash_jax import generate
+
+    shutil.copy(generate.DEFAULT_MODEL / "target" / "tokenizer.json", tmp_path / "tokenizer.json")
+    for name, text in files.items():
+        (tmp_path / f"{name}.json").write_text(text)
+    return tmp_path
+
+
+def test_tokenizer_side_file_forms(tmp_path):
+    """A list of named chat templates (the 'default' one renders), {% break %}, null eos entries."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}<{{ m.role }}>"
+                "{{ m.content }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}")
+    config = {"chat_template": [{"name": "tool_use", "template": "tools"},
+                                {"name": "default", "template": template}]}
+    folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps(config),
+                               generation_config='{"eos_token_id": [0, null]}')
+    tokenizer = Tokenizer(folder)
+    assert tokenizer.apply_chat_template("hi") == "<user>hi<bot>"
+    assert tokenizer.stop_token_ids == [0]
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config", "generation_config"])
+def test_tokenizer_side_file_that_is_not_json_is_named(tmp_path, name):
+    from dflash_jax.tokenizer import Tokenizer
+
+    folder = _tokenizer_folder(tmp_path, **{name: "{oops"})
+    with pytest.raises(ValueError, match=f"{name}.json is not valid JSON"):
+        Tokenizer(folder)
+
+
 def test_text_stream_pieces_join_to_the_whole_text():
     from dflash_jax.generate import DEFAULT_MODEL
     from dflash_jax.tokenizer import TextStream, Tokenizer
@@ -188,6 +226,7 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--chat"], "has no chat template"),
     (["--batch-file", "{jsonl}", "--no-draft"], 'prompts.jsonl:2: expected an object with a "prompt" string'),
     (["--batch-file", "{empty}"], "holds no prompts"),
+    (["--batch-file", "{blank_jsonl}"], "blank.jsonl:2: the prompt is empty"),
     (["--batch-file", "{tmp}/missing.txt"], "does not exist"),
     (["--page-size", "0"], "--page-size must be >= 1, got 0"),
     (["--chunk-steps", "-1"], "--chunk-steps must be >= 1, got -1"),
@@ -196,7 +235,7 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
                                                                       "pass it as the draft (--draft)"),
     (["--draft", "{default}/target"], "holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)"),
-], ids=["chat", "jsonl", "empty", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
+], ids=["chat", "jsonl", "empty", "blank-jsonl", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
         "swapped", "target-as-draft"])
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     """Input errors on the embedded default model (which has no chat template), before any weights load."""
@@ -204,7 +243,9 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
 
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def a"}\n{"text": "def b"}\n')
     (tmp_path / "empty.txt").write_text("\n \n")
+    (tmp_path / "blank.jsonl").write_text('{"prompt": "def a"}\n{"prompt": ""}\n')
     paths = dict(jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
+                 blank_jsonl=tmp_path / "blank.jsonl",
                  default=generate.DEFAULT_MODEL)
     assert generate.main([arg.format(**paths) for arg in args]) == 2
     err = capsys.readouterr().err

@@ -59,6 +59,8 @@ def test_transformers_config_json_parses():
 def test_rope_theta_top_level_or_in_rope_parameters():
     nested = qwen3_raw(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     assert ModelConfig.from_hf(nested).rope_theta == 5e5
+    both = qwen3_raw(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ModelConfig.from_hf(both).rope_theta == 5e5  # rope_parameters wins, as in transformers 5
     legacy = qwen3_raw(rope_theta=123456.0)
     del legacy["rope_parameters"]
     assert ModelConfig.from_hf(legacy).rope_theta == 123456.0
@@ -67,12 +69,22 @@ def test_rope_theta_top_level_or_in_rope_parameters():
     assert ModelConfig.from_hf(scaling).rope_theta == 7.0
 
 
-def test_head_dim_and_kv_heads_derived_when_absent():
-    raw = qwen3_raw(head_dim=None)
+def test_head_dim_and_kv_heads_default_as_transformers():
+    """Qwen3Config's defaults: head_dim 128 (not hidden // heads); 32 KV heads when the field is
+    absent, one per query head when it is null."""
+    from transformers import Qwen3Config
+
+    raw = qwen3_raw(num_attention_heads=32, hidden_size=64)
     del raw["head_dim"]
     del raw["num_key_value_heads"]
-    config = ModelConfig.from_hf(raw)
-    assert config.head_dim == 32 // 4 and config.num_kv_heads == 4
+    for kv_field in ({}, {"num_key_value_heads": None}):
+        config, hf = ModelConfig.from_hf({**raw, **kv_field}), Qwen3Config.from_dict({**raw, **kv_field})
+        assert config.head_dim == hf.head_dim == 128
+        assert config.num_kv_heads == hf.num_key_value_heads == 32
+    raw["num_attention_heads"] = 4
+    config, hf = ModelConfig.from_hf({**raw, "num_key_value_heads": None}), Qwen3Config.from_dict(
+        {**raw, "num_key_value_heads": None})
+    assert config.num_kv_heads == hf.num_key_value_heads == 4
 
 
 def test_tied_layer_types_and_eos_forms():
@@ -84,6 +96,7 @@ def test_tied_layer_types_and_eos_forms():
     assert config.window(0) == 128 and config.window(1) is None
     assert config.eos_token_ids == (5, 7)
     assert ModelConfig.from_hf(qwen3_raw(eos_token_id=3)).eos_token_ids == (3,)
+    assert ModelConfig.from_hf(qwen3_raw(eos_token_id=[4, None])).eos_token_ids == (4,)
 
 
 def test_configs_are_frozen_and_hashable():
@@ -125,7 +138,9 @@ def test_unsupported_rope_type(where, rope_type):
     (dict(layer_types=["full_attention"]), "layer_types"),
     (dict(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
-], ids=["bias", "act", "layer-count", "layer-kind", "kv-heads"])
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     r"quantized checkpoints .* 'fp8'\) are not supported"),
+], ids=["bias", "act", "layer-count", "layer-kind", "kv-heads", "quantized"])
 def test_unsupported_target_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(qwen3_raw(**overrides))
@@ -274,6 +289,13 @@ def test_sliding_window_follows_transformers_semantics():
                    "layer_types": ["sliding_attention", "full_attention"] * 2}):
         hf = Qwen3Config(**base, **extra)
         ours = ModelConfig.from_hf(hf.to_dict())
+        assert list(ours.layer_types) == list(hf.layer_types)
+        assert ours.sliding_window == hf.sliding_window
+    # the window's field absent (4096) or null (no window, so no sliding layers)
+    for window in ({}, {"sliding_window": None}):
+        raw = {**base, "model_type": "qwen3", "rope_theta": 1e6, "use_sliding_window": True, "max_window_layers": 1,
+               **window}
+        hf, ours = Qwen3Config.from_dict(raw), ModelConfig.from_hf(raw)
         assert list(ours.layer_types) == list(hf.layer_types)
         assert ours.sliding_window == hf.sliding_window
         assert [ours.window(i) for i in range(4)] == [

@@ -54,6 +54,13 @@ def test_sampling_probs_matches_reference(temperature):
             assert (support == 1).all()
 
 
+def test_tiny_temperature_is_argmax_not_nan():
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 11)) * 5, jnp.float32)
+    probs = np.asarray(sampling_probs(logits, SamplingConfig(temperature=1e-30)))
+    assert np.isfinite(probs).all()
+    np.testing.assert_array_equal(probs, np.eye(11)[np.argmax(np.asarray(logits), -1)])
+
+
 def test_sampling_config_validation_and_greedy():
     for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
         with pytest.raises(ValueError):

@@ -27,9 +27,9 @@ CONFIGS = {
     # GQA 1, untied, head_dim given, rope_parameters
     "gqa1-untied-params": (dict(vocab=128, hidden=64, layers=4, heads=4, kv_heads=4, head_dim=16,
                                 rope_theta=1e6), dict(rope_style="parameters")),
-    # GQA 2, tied, head_dim absent from config.json (derived), top-level rope_theta
-    "gqa2-tied-derived-theta": (dict(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, tie=True,
-                                     rope_theta=1e4), dict(rope_style="theta", drop_head_dim=True)),
+    # GQA 2, tied, head_dim absent from config.json (Qwen3Config's default, 128), top-level rope_theta
+    "gqa2-tied-default-head-dim-theta": (dict(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=128,
+                                              tie=True, rope_theta=1e4), dict(rope_style="theta", drop_head_dim=True)),
     # GQA 4, head_dim != hidden // heads, top-level rope_theta
     "gqa4-wide-heads-theta": (dict(vocab=64, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=16,
                                    rope_theta=5e5), dict(rope_style="theta")),
