@@ -254,27 +254,22 @@ def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fa
     """
     directory = Path(directory)
     config = load_target_config(directory)
-    stored_head = []
-
-    def ignored(name: str) -> bool:
-        if name == "lm_head.weight" and config.tie_word_embeddings:  # a tied checkpoint may carry a copy
-            stored_head.append(name)
-            return True
-        return _rotary(name)
-
+    # A tied checkpoint may still carry a copy of lm_head.
+    ignored = lambda name: _rotary(name) or (name == "lm_head.weight" and config.tie_word_embeddings)  # noqa: E731
     slots = target_slots(config)
     values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
-    if stored_head:
+    if config.tie_word_embeddings:
         _warn_if_head_differs(directory, values[slots["model.embed_tokens.weight"].path])
     structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
     return config, _fill(structure, values)
 
 
 def _warn_if_head_differs(directory: Path, embed) -> None:
-    """A tied checkpoint's stored lm_head.weight is ignored; say so when it is not the embedding."""
-    embed = np.asarray(embed)
+    """A tied checkpoint's stored lm_head.weight (if any) is ignored; say so when it is not the
+    embedding. Reads only the shard headers unless the head is there."""
     for name, load, _ in iter_tensors(directory):
         if name == "lm_head.weight":
+            embed = np.asarray(embed)
             if not np.array_equal(np.asarray(load(), dtype=embed.dtype), embed):
                 warnings.warn(f"{directory}: config.json ties the LM head to the embedding "
                               "(tie_word_embeddings), so the stored lm_head.weight, which differs "

@@ -209,7 +209,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     elif block_size not in (None, 1):
         raise ValueError("block_size needs a draft")
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
-                        block_size=1 if block_size is None else block_size, sampling=sampling, impl=impl, accept_replay=accept_replay)
+                        block_size=1 if block_size is None else block_size, sampling=sampling, impl=impl,
+                        accept_replay=accept_replay)
 
     configs = [target.config] + ([draft.config.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size)
