@@ -341,7 +341,9 @@ def write_marker(directory: Path, kind: str, dtype: str) -> None:
 
 def read_marker(directory: str | Path, kind: str) -> dict:
     """The marker of a converted folder, checked to be of this version and ``kind``."""
-    marker = json.loads((Path(directory) / MARKER_FILE).read_text())
+    marker = read_json(Path(directory) / MARKER_FILE)
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{directory}/{MARKER_FILE} is not a JSON object")
     if marker.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory}: converted with format version {marker.get('format_version')}, "
                               f"this library reads version {FORMAT_VERSION}; convert it again")

@@ -225,6 +225,14 @@ def test_marker_of_the_wrong_kind(target):
         load_target(out)
 
 
+def test_marker_that_is_not_json(target):
+    out = target.parent / "out"
+    convert(target, out, progress=False)
+    (out / checkpoint.MARKER_FILE).write_text("{truncated")
+    with pytest.raises(ConfigError, match=f"{checkpoint.MARKER_FILE} is not valid JSON"):
+        load_target(out)
+
+
 def test_converted_config_edited_after_conversion(target):
     out = target.parent / "out"
     convert(target, out, progress=False)
