@@ -286,13 +286,42 @@ def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fal
     slots = draft_slots(config)
     if config.source_format == "speculators":
         # Speculators drafts carry copies of the target's embedding and LM head (the target's are
-        # used), unless a reduced vocabulary makes lm_head.weight their own (then it is a slot).
-        ignored = lambda name: _rotary(name) or name in ("embed_tokens.weight", "lm_head.weight")  # noqa: E731
+        # used, see check_speculators_copies), unless a reduced vocabulary makes lm_head.weight
+        # their own (then it is a slot, as are d2t and t2d). A full vocabulary may come with
+        # identity d2t/t2d maps.
+        copies = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
+        ignored = lambda name: _rotary(name) or name in copies  # noqa: E731
     else:
         ignored = _rotary
     values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
     structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
     return config, _fill(structure, values)
+
+
+def check_speculators_copies(directory: str | Path, target: TargetParams) -> None:
+    """A full-vocabulary speculators draft's own embedding and LM head are ignored in favour of
+    the target's: warn when they differ from the target's (vLLM would use them), and refuse a d2t
+    map that is not the identity. Reads only the shard headers unless such tensors are there."""
+    directory = Path(directory)
+    target_rows = {"embed_tokens.weight": lambda rows: target.embed[rows],
+                   "lm_head.weight": lambda rows: (target.embed[rows] if target.lm_head is None
+                                                    else target.lm_head[:, rows].T)}
+    for name, load, shape in iter_tensors(directory):
+        if name == "d2t" and np.any(load()):
+            raise CheckpointError(f"{directory}: d2t maps draft ids to other target ids, but the draft "
+                                  "vocabulary is the target's (draft_vocab_size)")
+        if name in target_rows:
+            ours = target_rows[name]
+            step = 8192  # the target's rows come to the host a block at a time
+            stored = load()
+            differs = stored.shape != (target.embed.shape[0], target.embed.shape[1]) or any(
+                not np.array_equal(np.asarray(stored[i:i + step], dtype=target.embed.dtype),
+                                   np.asarray(ours(slice(i, i + step))))
+                for i in range(0, stored.shape[0], step))
+            if differs:
+                warnings.warn(f"{directory}: the draft's own {name} differs from the target's; this "
+                              "library uses the target's (vLLM would use the draft's), so proposals "
+                              "may differ from vLLM's (output stays exact)", stacklevel=3)
 
 
 def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 def is_draft_config(raw: dict[str, Any]) -> bool:
     """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
     return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
-            or "DFlashDraftModel" in (raw.get("architectures") or []))
+            or any(str(name).startswith("DFlash") for name in raw.get("architectures") or []))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,11 @@ class DraftConfig:
         if not is_draft_config(raw):
             raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
                               "and there is no dflash_config or speculators_model_type)")
+        other = [name for name in raw.get("architectures") or []
+                 if str(name).startswith("DFlash") and name != "DFlashDraftModel"]
+        if other:
+            raise ConfigError(f"{where}: architecture {other[0]} is not supported; this library runs "
+                              "DFlashDraftModel drafts (z-lab) and speculators 'dflash' drafts")
         dflash = raw.get("dflash_config") or {}
 
         def value(name, default=None):
@@ -204,8 +210,15 @@ class DraftConfig:
         if kind != "dflash":
             raise ConfigError(f"{where}: speculators_model_type '{kind}' is not a DFlash draft")
         layer_raw = dict(_require(raw, "transformer_layer_config", where))
+        # Some exporters put the layers' attention kinds at the top level instead.
+        for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
+            if key not in layer_raw and key in raw:
+                layer_raw[key] = raw[key]
         model = ModelConfig.from_hf(layer_raw, f"{where} transformer_layer_config")
-        aux = _require(raw, "aux_hidden_state_layer_ids", where)
+        aux = [int(i) for i in _require(raw, "aux_hidden_state_layer_ids", where)]
+        if min(aux, default=1) < 1:
+            raise ConfigError(f"{where}: aux_hidden_state_layer_ids {aux} must be >= 1 (id k is the "
+                              "output of target decoder layer k; 0, the embedding output, cannot be tapped)")
         mask = raw.get("mask_token_id")
         if mask is None:
             raise ConfigError(f"{where}: required field 'mask_token_id' is missing")
@@ -217,7 +230,7 @@ class DraftConfig:
             model=model,
             block_size=int(_require(raw, "block_size", where)),
             mask_token_id=int(mask),
-            target_layer_ids=tuple(int(i) - 1 for i in aux),
+            target_layer_ids=tuple(i - 1 for i in aux),
             draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else int(draft_vocab),
             causal_layers=tuple(k == "sliding_attention" and not non_causal_swa for k in model.layer_types),
             source_format="speculators",
@@ -231,10 +244,22 @@ class DraftConfig:
         if self.model.vocab_size != target.vocab_size:
             raise ConfigError(f"draft vocab_size {self.model.vocab_size} != target vocab_size "
                               f"{target.vocab_size}")
+        made_for = self.num_target_layers
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
         if bad:
-            raise ConfigError(f"draft target_layer_ids {list(bad)} are outside the target's "
-                              f"{target.num_layers} layers")
+            if self.source_format == "speculators":
+                names = f"aux_hidden_state_layer_ids {[i + 1 for i in bad]}"
+            else:
+                names = f"target_layer_ids {bad}"
+            trained = "" if made_for in (None, target.num_layers) else f"; it was made for a {made_for}-layer target"
+            raise ConfigError(f"draft {names} are outside the target's {target.num_layers} layers{trained}")
+        if made_for is not None and made_for != target.num_layers:
+            warnings.warn(f"the draft was made for a {made_for}-layer target and this target has "
+                          f"{target.num_layers} layers: output stays exact, but expect few accepted "
+                          "tokens")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > target.vocab_size:
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is larger than the target "
+                              f"vocabulary of {target.vocab_size}")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ConfigError(f"draft mask_token_id {self.mask_token_id} is outside the target "
                               f"vocabulary of {target.vocab_size}")

@@ -291,10 +291,14 @@ def _read_prompts(args) -> list[str]:
     path = Path(args.batch_file)
     if not path.is_file():
         raise FileNotFoundError(f"--batch-file {path} does not exist")
-    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    # Lines end at "\n" only: str.splitlines would also split at form feeds, U+2028 and the like,
+    # which prompts (and JSON strings) may hold.
+    text = path.read_text(encoding="utf-8")
+    lines = [(number, line.removesuffix("\r")) for number, line in enumerate(text.split("\n"), 1)
+             if line.strip()]
     if not lines:
         raise ValueError(f"--batch-file {path} holds no prompts")
-    if path.suffix != ".jsonl":
+    if path.suffix.lower() != ".jsonl":
         return [line for _, line in lines]
     return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
 
@@ -319,8 +323,13 @@ def _check_flags(args, draft_dir) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size is not None and draft_dir is None:
         raise ValueError("--block-size needs a draft")
-    if args.stats_json and not Path(args.stats_json).parent.is_dir():
-        raise FileNotFoundError(f"--stats-json {args.stats_json}: its folder does not exist")
+    if args.steps_per_check is not None:
+        check_steps_per_check(args.chunk_steps, args.steps_per_check)
+    if args.stats_json:
+        if Path(args.stats_json).is_dir():
+            raise IsADirectoryError(f"--stats-json {args.stats_json} is a folder: give a file name")
+        if not Path(args.stats_json).parent.is_dir():
+            raise FileNotFoundError(f"--stats-json {args.stats_json}: its folder does not exist")
 
 
 def _format(value: float | None, template: str) -> str:

@@ -68,4 +68,6 @@ def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16",
         init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
         return Draft(config, _restore_converted(path, "draft", init, progress), path)
     _, params = checkpoint.load_hf_draft(path, dtype, progress=progress)
+    if config.source_format == "speculators" and config.draft_vocab_size is None and target is not None:
+        checkpoint.check_speculators_copies(path, target.params)
     return Draft(config, params, path)

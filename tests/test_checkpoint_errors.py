@@ -96,6 +96,34 @@ def test_speculators_draft_missing_d2t(tmp_path):
     _convert_fails(tmp_path / "draft", CheckpointError, r"missing 1 tensor\(s\): 'd2t'")
 
 
+def test_speculators_full_vocabulary_copies(tmp_path):
+    """A full-vocabulary speculators draft's own embedding and head are not used: a warning when
+    they differ from the target's, silence for exact copies; identity d2t/t2d maps are accepted,
+    any other d2t refused."""
+    import warnings
+
+    make_target(tmp_path / "hf", num_hidden_layers=4)
+    target = load_target(tmp_path / "hf", dtype="float32")
+    make_speculators_draft(tmp_path / "draft", draft_vocab=None)  # random copies: they differ
+    with pytest.warns(UserWarning) as caught:
+        load_draft(tmp_path / "draft", target, dtype="float32")
+    assert sorted(str(w.message).split("own ")[1].split(" ")[0] for w in caught) == [
+        "embed_tokens.weight", "lm_head.weight"]
+    embed = np.asarray(target.params.embed)
+    head = np.ascontiguousarray(np.asarray(target.params.lm_head).T)
+
+    def exact_copies(tensors):
+        tensors.update({"embed_tokens.weight": embed, "lm_head.weight": head,
+                        "d2t": np.zeros(len(embed), np.int64), "t2d": np.ones(len(embed), bool)})
+    _edit_tensors(tmp_path / "draft", exact_copies)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_draft(tmp_path / "draft", target, dtype="float32")
+    _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=np.ones(len(embed), np.int64)))
+    with pytest.raises(CheckpointError, match="d2t maps draft ids to other target ids"):
+        load_draft(tmp_path / "draft", target, dtype="float32")
+
+
 def test_missing_shard(tmp_path):
     make_target(tmp_path / "hf", max_shard_size="20KB")
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]

@@ -232,11 +232,14 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--chunk-steps", "-1"], "--chunk-steps must be >= 1, got -1"),
     (["--no-draft", "--block-size", "4"], "--block-size needs a draft"),
     (["--stats-json", "{tmp}/missing/stats.json"], "folder does not exist"),
+    (["--stats-json", "{tmp}"], "is a folder: give a file name"),
+    (["--steps-per-check", "3"], "steps_per_check (3) must be >= 1 and divide the steps per chunk (16"),
+    (["--batch-file", "{upper}", "--no-draft"], 'upper.JSONL:1: expected an object with a "prompt" string'),
     (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
                                                                       "pass it as the draft (--draft)"),
     (["--draft", "{default}/target"], "holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)"),
 ], ids=["chat", "jsonl", "empty", "blank-jsonl", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
-        "swapped", "target-as-draft"])
+        "stats-json-folder", "steps-per-check", "upper-case-jsonl", "swapped", "target-as-draft"])
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     """Input errors on the embedded default model (which has no chat template), before any weights load."""
     from dflash_jax import generate
@@ -244,9 +247,25 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def a"}\n{"text": "def b"}\n')
     (tmp_path / "empty.txt").write_text("\n \n")
     (tmp_path / "blank.jsonl").write_text('{"prompt": "def a"}\n{"prompt": ""}\n')
+    (tmp_path / "upper.JSONL").write_text('{"text": "def a"}\n')
     paths = dict(jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
-                 blank_jsonl=tmp_path / "blank.jsonl",
+                 blank_jsonl=tmp_path / "blank.jsonl", upper=tmp_path / "upper.JSONL",
                  default=generate.DEFAULT_MODEL)
     assert generate.main([arg.format(**paths) for arg in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_batch_file_lines_end_at_newlines_only(tmp_path):
+    """Form feeds, U+2028 and \\r\\n endings stay inside their prompt (str.splitlines would split)."""
+    import argparse
+
+    from dflash_jax.generate import _read_prompts
+
+    text = tmp_path / "prompts.txt"
+    text.write_bytes("x = 1  # page\x0cy = 2\r\nsecond\u2028line\n\nthird\n".encode())
+    assert _read_prompts(argparse.Namespace(batch_file=str(text), prompt=None)) == [
+        "x = 1  # page\x0cy = 2", "second\u2028line", "third"]
+    records = tmp_path / "prompts.jsonl"
+    records.write_text(json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert _read_prompts(argparse.Namespace(batch_file=str(records), prompt=None)) == ["a\u2028b"]

@@ -266,13 +266,54 @@ def test_check_target_errors():
     cases = [
         (dataclasses.replace(good, model=dataclasses.replace(good.model, hidden_size=48)), "hidden_size"),
         (dataclasses.replace(good, model=dataclasses.replace(good.model, vocab_size=65)), "vocab_size"),
-        (dataclasses.replace(good, target_layer_ids=(0, 4)), "target_layer_ids"),
-        (dataclasses.replace(good, target_layer_ids=(-1, 2)), "target_layer_ids"),
+        (dataclasses.replace(good, target_layer_ids=(0, 4)), r"layer_ids \[5\] are outside"),
+        (dataclasses.replace(good, target_layer_ids=(-1, 2)), r"layer_ids \[0\] are outside"),
         (dataclasses.replace(good, mask_token_id=64), "mask_token_id"),
     ]
     for bad, message in cases:
         with pytest.raises(ConfigError, match=message):
             bad.check_target(target)
+    # speculators ids are named as the config writes them (z-lab id + 1), z-lab ids as they are
+    with pytest.raises(ConfigError, match=r"aux_hidden_state_layer_ids \[5\] are outside the target's 4 layers"):
+        dataclasses.replace(good, target_layer_ids=(0, 4)).check_target(target)
+    with pytest.raises(ConfigError, match=r"draft target_layer_ids \[4\] are outside the target's 4 layers"):
+        dataclasses.replace(good, target_layer_ids=(0, 4), source_format="z-lab").check_target(target)
+    with pytest.raises(ConfigError, match="draft_vocab_size 65 is larger than the target vocabulary of 64"):
+        dataclasses.replace(good, draft_vocab_size=65).check_target(target)
+
+
+def test_draft_made_for_another_target_depth():
+    """num_target_layers that disagrees with the target: a warning when the taps exist, and the
+    error for taps that do not says which depth the draft was made for."""
+    target = ModelConfig.from_hf(qwen3_raw(layers=4))
+    draft = DraftConfig.from_hf(zlab_raw(**{**qwen3_raw(layers=1), "architectures": ["DFlashDraftModel"]},
+                                         num_target_layers=36, dflash_config={"mask_token_id": 3,
+                                                                             "target_layer_ids": [1, 2]}))
+    with pytest.warns(UserWarning, match="made for a 36-layer target and this target has 4 layers"):
+        draft.check_target(target)
+    with pytest.raises(ConfigError, match=r"target_layer_ids \[33\] are outside the target's 4 layers; "
+                                          "it was made for a 36-layer target"):
+        dataclasses.replace(draft, target_layer_ids=(1, 33)).check_target(target)
+
+
+def test_unsupported_draft_architecture_is_named():
+    raw = zlab_raw(architectures=["DFlash2DraftModel"])
+    from dflash_jax.config import is_draft_config
+    assert is_draft_config(raw)  # so a swapped --target/--draft is still recognised
+    with pytest.raises(ConfigError, match="architecture DFlash2DraftModel is not supported"):
+        DraftConfig.from_hf(raw)
+
+
+def test_speculators_tap_ids_and_top_level_window_fields():
+    with pytest.raises(ConfigError, match=r"aux_hidden_state_layer_ids \[0, 2\] must be >= 1"):
+        DraftConfig.from_hf(speculators_raw(aux_hidden_state_layer_ids=[0, 2]))
+    layers = {k: v for k, v in qwen3_raw(layers=2).items()
+              if k not in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")}
+    config = DraftConfig.from_hf(speculators_raw(
+        transformer_layer_config=layers, layer_types=["sliding_attention", "full_attention"],
+        use_sliding_window=True, sliding_window=16))
+    assert config.model.layer_types == ("sliding_attention", "full_attention")
+    assert config.model.sliding_window == 16 and config.causal_layers == (True, False)
 
 
 def test_sliding_window_follows_transformers_semantics():
