@@ -23,6 +23,8 @@ EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)
 HELDOUT_PER_MILLE = 20  # files whose path hashes below this (of 1000) are held out
+HELDOUT_RULE = (f"crc32(relative path) % 1000 < {HELDOUT_PER_MILLE}; in a folder where no file passes, "
+                "the one file of smallest crc32(relative path) % 1000")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,25 +35,35 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _path_hash(relative_path: str) -> int:
+    return zlib.crc32(relative_path.encode()) % 1000
+
+
 def is_heldout(relative_path: str) -> bool:
-    """Deterministic evaluation split: by CRC32 of the path relative to the stdlib root."""
-    return zlib.crc32(relative_path.encode()) % 1000 < HELDOUT_PER_MILLE
+    """Deterministic evaluation split: by CRC32 of the path relative to the corpus root."""
+    return _path_hash(relative_path) < HELDOUT_PER_MILLE
 
 
 def source_files(root: str | Path) -> tuple[list[Path], list[Path]]:
-    """(train, held-out) ``*.py`` files under ``root``, sorted; site-packages excluded."""
+    """(train, held-out) ``*.py`` files under ``root``, sorted; site-packages excluded. Held out
+    as ``HELDOUT_RULE`` says: ``is_heldout`` files, or, in a small folder where none is, one file
+    (so that every folder of two or more files has an evaluation split)."""
     root = Path(root)
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
     if not files:
         raise FileNotFoundError(f"no *.py files under {root}")
-    heldout = [p for p in files if is_heldout(p.relative_to(root).as_posix())]
+    if len(files) == 1:
+        raise ValueError(f"{root} holds a single *.py file: a corpus folder needs at least 2, as its files "
+                         "are split into training and held-out ones")
+    relative = {p: p.relative_to(root).as_posix() for p in files}
+    heldout = [p for p in files if is_heldout(relative[p])] or [min(files, key=lambda p: _path_hash(relative[p]))]
     held = set(heldout)
     return [p for p in files if p not in held], heldout
 
 
 def corpus_manifest(root: Path, heldout: Sequence[Path]) -> dict:
     """What the evaluation split was: the source tree, the rule and the held-out files."""
-    manifest = {"corpus": str(root), "heldout_rule": f"crc32(relative path) % 1000 < {HELDOUT_PER_MILLE}",
+    manifest = {"corpus": str(root), "heldout_rule": HELDOUT_RULE,
                 "heldout_files": [p.relative_to(root).as_posix() for p in heldout]}
     if Path(root) == stdlib_root():
         manifest.update(corpus="stdlib", python=sys.version.split()[0])
@@ -105,7 +117,10 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | Path):
 def load_tokenizer(directory: str | Path):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the model folder needs a tokenizer.json")
+    return Tokenizer.from_file(str(path))
 
 
 def encode_documents(tokenizer, texts: Sequence[str], eos_id: int | None) -> list[np.ndarray]:
@@ -143,13 +158,14 @@ class TokenRows:
         return self.tokens[rows], self.loss_mask[rows]
 
 
-def pack_stream(documents: Sequence[np.ndarray], seq_len: int) -> TokenRows:
+def pack_stream(documents: Sequence[np.ndarray], seq_len: int, name: str = "the documents") -> TokenRows:
     """Concatenate documents (each ending in EOS) and cut the stream into full rows, all
-    supervised (plain LM data: the target's pretraining, or drafts trained on raw text)."""
+    supervised (plain LM data: the target's pretraining, or drafts trained on raw text).
+    ``name`` says what the documents are when there are too few tokens for one row."""
     stream = np.concatenate(documents) if documents else np.zeros((0,), np.int32)
     count = len(stream) // seq_len
     if count == 0:
-        raise ValueError(f"{len(stream)} tokens are fewer than one row of {seq_len}")
+        raise ValueError(f"{name} hold {len(stream)} tokens, fewer than one row of {seq_len}")
     tokens = stream[:count * seq_len].reshape(count, seq_len).astype(np.int32)
     return TokenRows(tokens, np.ones_like(tokens, bool))
 
@@ -193,13 +209,25 @@ def concat_rows(parts: Sequence[TokenRows]) -> TokenRows:
 # ---------------------------------------------------------------------------------------------
 # Anchors and blocks (DFlash training, DESIGN.md section 7).
 
-def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> jax.Array:
-    """Up to ``num_anchors`` distinct random anchors per row [B, N] (-1 = unused slot).
+def anchor_positions(loss_mask):
+    """Where an anchor may open a block [R, T-1]: positions t where tokens t and t+1 are both
+    supervised, so the block predicts at least one supervised token (numpy or jax)."""
+    return loss_mask[:, :-1] & loss_mask[:, 1:]
 
-    An anchor is a position t where tokens t and t+1 are both supervised, so its block predicts
-    at least one supervised token. Valid anchors come first, in random order.
-    """
-    valid = loss_mask[:, :-1] & loss_mask[:, 1:]
+
+def check_anchorable(rows: TokenRows) -> None:
+    """ValueError when no row has an anchor position: every block would be empty, and training
+    would run on a zero loss."""
+    if not anchor_positions(rows.loss_mask).any():
+        raise ValueError(f"nothing to train on: no row of the {len(rows)} training rows has two consecutive "
+                         f"supervised tokens ({int(rows.loss_mask.sum())} supervised in all), so no block "
+                         "can be anchored")
+
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> jax.Array:
+    """Up to ``num_anchors`` distinct random anchors per row [B, N] (-1 = unused slot), at
+    ``anchor_positions``. Valid anchors come first, in random order."""
+    valid = anchor_positions(loss_mask)
     scores = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
     top, index = jax.lax.top_k(scores, min(num_anchors, valid.shape[1]))
     anchors = jnp.where(top >= 0, index, -1).astype(jnp.int32)

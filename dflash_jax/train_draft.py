@@ -13,8 +13,9 @@ Loss: cross-entropy weighted by exp(-(k-1)/gamma) at block position k, over the 
 
 Checkpoints, the run's settings (run.json), its per-step log (train_log.json) and the target's
 ``--regenerate`` responses (regenerated.npz) go to ``--ckpt-dir`` (default OUT.ckpt), which holds
-one run: a new run refuses a folder with checkpoints and a non-empty ``--out`` (unless
-``--overwrite``); ``--resume`` continues the run there with the same settings and responses.
+one run: a new run refuses a folder with checkpoints; ``--resume`` continues the run there with
+the same settings and responses. A non-empty ``--out`` is replaced only with ``--overwrite`` or by
+``--resume`` of the run that run.json records as writing it.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids
+from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import Tokenizer
-from dflash_jax.train_target import (OptimConfig, TrainState, apply_gradients, causal_forward, claim_run_folders,
-                                     global_norm, make_optimizer, run_recipe, run_training)
+from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, at_least, causal_forward,
+                                     claim_run_folders, global_norm, make_optimizer, positive_float,
+                                     reported_as_errors, run_recipe, run_training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,29 +181,35 @@ def train_step(state: TrainState, learning_rate: jax.Array, target: TargetParams
     anchors = data.sample_anchors(key, loss_mask, train.num_anchors)
     grads, metrics = jax.grad(draft_loss, has_aux=True)(
         state.params, target, tokens, loss_mask, anchors, config=config, target_config=target_config,
-        gamma=train.gamma or data.default_gamma(config.block_size), dtype=jnp.dtype(train.compute_dtype))
+        gamma=data.default_gamma(config.block_size) if train.gamma is None else train.gamma,
+        dtype=jnp.dtype(train.compute_dtype))
     metrics["grad_norm"] = global_norm(grads)
     return apply_gradients(state, grads, make_optimizer(train.optim), learning_rate), metrics
 
 
 def _postfix(metrics: dict) -> dict:
+    """Progress-bar fields: loss, τ proxy and the accuracy at block positions 1, 2, 4, 8 (those
+    the block has)."""
     acc = metrics["position_accuracy"]
+    shown = [k for k in (1, 2, 4, 8) if k <= len(acc)]
     return {"loss": f"{metrics['loss']:.3f}", "tau~": f"{metrics['tau_proxy']:.2f}",
-            "acc@1,2,4,8": ",".join(f"{acc[i]:.2f}" for i in (0, 1, 3, 7) if i < len(acc))}
+            "acc@" + ",".join(map(str, shown)): ",".join(f"{acc[k - 1]:.2f}" for k in shown)}
 
 
-def open_draft_run(target: Target, out_dir: str | Path, draft_config: DraftConfig, train: DraftTrainConfig,
-                   data_record: dict, *, ckpt_dir: str | Path | None = None, resume: bool = False,
-                   overwrite: bool = False) -> Path:
+def open_draft_run(target_config: ModelConfig, target_path: str | Path | None, out_dir: str | Path,
+                   draft_config: DraftConfig, train: DraftTrainConfig, data_record: dict, *,
+                   ckpt_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False) -> Path:
     """Claim the run's checkpoint folder (default OUT.ckpt, returned) and ``out_dir`` for the
-    target, draft, data and recipe (``claim_run_folders``), before any training work."""
+    target (its folder and config: its weights need not be loaded yet), draft, data and recipe
+    (``claim_run_folders``), before any training work."""
     out_dir = Path(out_dir)
     ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
-    draft_config.check_target(target.config)
-    run = {"target": {"path": str(Path(target.path).absolute()) if target.path else None,
-                      "config": dataclasses.asdict(target.config)},
+    draft_config.check_target(target_config)
+    run = {"target": {"path": str(Path(target_path).absolute()) if target_path else None,
+                      "config": dataclasses.asdict(target_config)},
            "draft": dataclasses.asdict(draft_config), "data": data_record, "train": run_recipe(train)}
-    claim_run_folders(ckpt_dir, out_dir, run, resume=resume, overwrite=overwrite)
+    claim_run_folders(ckpt_dir, out_dir, run, resume=resume, overwrite=overwrite,
+                      inputs={"--target": target_path} if target_path else None)
     return ckpt_dir
 
 
@@ -213,9 +221,10 @@ def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft
     ``out_dir`` (a non-empty one only when resuming from checkpoints or with ``overwrite``) and
     return it as loaded (f32 training params). ``data_record`` describes the rows for resuming
     (default: their shape)."""
+    data.check_anchorable(rows)
     data_record = {"rows": len(rows), "seq_len": rows.seq_len} if data_record is None else data_record
-    ckpt_dir = open_draft_run(target, out_dir, draft_config, train, data_record, ckpt_dir=ckpt_dir, resume=resume,
-                              overwrite=overwrite)
+    ckpt_dir = open_draft_run(target.config, target.path, out_dir, draft_config, train, data_record,
+                              ckpt_dir=ckpt_dir, resume=resume, overwrite=overwrite)
     return train_in_run(target, rows, out_dir, draft_config, train, ckpt_dir, resume=resume,
                         export_dtype=export_dtype, max_shard_mb=max_shard_mb)
 
@@ -224,7 +233,8 @@ def train_in_run(target: Target, rows: data.TokenRows, out_dir: str | Path, draf
                  train: DraftTrainConfig, ckpt_dir: Path, *, resume: bool, export_dtype="bfloat16",
                  max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> Draft:
     """``train_draft``'s training and export, in a run folder ``open_draft_run`` has claimed (the
-    CLI claims it before building its rows, which can take long)."""
+    CLI claims it before building its rows, which can take long, and checks them as
+    ``train_draft`` does)."""
     params = init_draft_params(draft_config, jax.random.key(train.seed + 1), jnp.float32)
     state = TrainState.create(params, make_optimizer(train.optim))
     target_params = cast_params(target.params, jnp.dtype(train.compute_dtype))
@@ -240,19 +250,27 @@ def train_in_run(target: Target, rows: data.TokenRows, out_dir: str | Path, draf
 # ---------------------------------------------------------------------------------------------
 # Data: text or token files, responses regenerated by the target, held-out prompts.
 
-def load_rows_or_documents(specs: Sequence[str], tokenizer, eos_id: int | None
-                           ) -> tuple[list[data.TokenRows], list[np.ndarray]]:
-    """Token files (.npz) as rows; text files (paths or globs) as tokenized documents; a folder
-    (or ``stdlib``) as the training split of its ``*.py`` files."""
-    token_rows, paths = [], []
+def read_training_data(specs: Sequence[str]) -> tuple[dict[Path, data.TokenRows], list[str]]:
+    """``--data`` read, not yet tokenized: token files (.npz) as rows, by path; the text of text
+    files (paths or globs) and of the training split of folders of ``*.py`` (or ``stdlib``).
+    JSON Lines is refused rather than trained on as raw text, and so is data with no text."""
+    token_files, text_paths = {}, []
     for spec in specs:
         if spec == "stdlib" or Path(spec).is_dir():
-            paths += data.source_files(data.stdlib_root() if spec == "stdlib" else spec)[0]
-        elif spec.endswith(".npz"):
-            token_rows += [data.load_token_file(p) for p in data.expand_paths([spec])]
-        else:
-            paths += data.expand_paths([spec])
-    return token_rows, data.encode_documents(tokenizer, data.read_texts(paths), eos_id) if paths else []
+            text_paths += data.source_files(data.stdlib_root() if spec == "stdlib" else spec)[0]
+            continue
+        for path in data.expand_paths([spec]):
+            if path.suffix == ".jsonl":
+                raise ValueError(f"--data {path}: JSON Lines files are not read as training data (they would be "
+                                 "trained on as raw text); pass text files, folders of *.py or .npz token files")
+            if path.suffix == ".npz":
+                token_files[path] = data.load_token_file(path)
+            else:
+                text_paths.append(path)
+    texts = data.read_texts(text_paths)
+    if not token_files and not texts:
+        raise ValueError(f"no training text in --data (all {len(text_paths)} files empty)")
+    return token_files, texts
 
 
 def sample_prompts(documents: Sequence[np.ndarray], count: int, length: int, seed: int) -> list[list[int]]:
@@ -285,7 +303,8 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
                batch_size: int, pad_id: int, seed: int = 0) -> data.TokenRows:
     """Responses written by the target itself (batched on-device generation, a progress bar over
     the batches, stopping at ``stop_token_ids(target)``) filling rows of ``seq_len``; only
-    response tokens are supervised. Every batch has the same shape."""
+    response tokens are supervised. Batches of ``batch_size`` prompts and a smaller last one: two
+    shapes to compile at most, and no sequence generated in vain."""
     from dflash_jax.generate import generate
 
     if max(len(p) for p in prompts) >= seq_len:
@@ -296,11 +315,9 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
     responses = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
         chunk = list(prompts[i:i + batch_size])
-        real = len(chunk)
-        chunk += [chunk[0]] * (batch_size - real)
         new = [seq_len - len(p) for p in chunk]
         result = generate(target, chunk, max_new_tokens=new, sampling=sampling, stop_token_ids=stop, seed=seed + i)
-        responses += result.tokens[:real]
+        responses += result.tokens
     return data.prompt_response_rows(prompts, responses, seq_len, pad_id)
 
 
@@ -346,31 +363,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True, help="target HF folder (with tokenizer.json)")
     parser.add_argument("--out", required=True, help="output draft folder (z-lab HF format)")
     parser.add_argument("--data", nargs="+", default=["stdlib"],
-                        help="token files (.npz), text files or globs, folders of *.py (their training "
-                             "split), or 'stdlib' (default)")
-    parser.add_argument("--regenerate", type=int, default=0, metavar="N",
+                        help="token files (.npz, rows of --seq-len), text files or globs (packed as raw text; "
+                             ".jsonl is refused), folders of *.py (their training split), or 'stdlib' (default)")
+    parser.add_argument("--regenerate", type=at_least(1), default=0, metavar="N",
                         help="train on N responses generated by the target from prompts cut from --data")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens for --regenerate/--eval-prompts")
+    parser.add_argument("--prompt-len", type=at_least(1), default=64,
+                        help="prompt tokens for --regenerate/--eval-prompts")
     parser.add_argument("--regen-temperature", type=float, default=0.0)
-    parser.add_argument("--regen-batch", type=int, default=256)
+    parser.add_argument("--regen-batch", type=at_least(1), default=256)
     parser.add_argument("--save-data", default=None, help="write the training rows to this .npz token file")
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-layers", type=at_least(1), default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--target-layer-ids", default=None, help="comma-separated z-lab ids (default: build rule)")
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: the target's <|mask|>")
     defaults = DraftTrainConfig()
-    parser.add_argument("--steps", type=int, default=defaults.optim.steps)
-    parser.add_argument("--batch", type=int, default=defaults.batch_size)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--anchors", type=int, default=defaults.num_anchors)
+    parser.add_argument("--steps", type=at_least(1), default=defaults.optim.steps)
+    parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size)
+    parser.add_argument("--seq-len", type=at_least(2), default=512)
+    parser.add_argument("--anchors", type=at_least(1), default=defaults.num_anchors)
     parser.add_argument("--lr", type=float, default=defaults.optim.lr)
-    parser.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16)")
-    parser.add_argument("--save-every", type=int, default=defaults.save_every)
+    parser.add_argument("--gamma", type=positive_float, default=None, help="loss decay (default 7 for block 16)")
+    parser.add_argument("--save-every", type=at_least(1), default=defaults.save_every)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                         help="fit training (compile included) in this time: fewer steps, same schedule shape "
                              "(with --resume: the steps left)")
-    parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+    parser.add_argument("--max-shard-mb", type=at_least(1), default=DEFAULT_MAX_SHARD_MB,
                         help="largest safetensors shard of the exported draft, MB")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
     parser.add_argument("--ckpt-dir", default=None,
@@ -380,51 +398,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out (otherwise refused unless --resume continues the run "
                              "that wrote it)")
-    parser.add_argument("--eval-prompts", type=int, default=0, metavar="N",
+    parser.add_argument("--eval-prompts", type=at_least(0), default=0, metavar="N",
                         help="after training, measure τ on N prompts from the held-out stdlib files "
                              "(required with --eval-only)")
-    parser.add_argument("--eval-new-tokens", type=int, default=256)
+    parser.add_argument("--eval-new-tokens", type=at_least(1), default=256)
     parser.add_argument("--eval-corpus", default="stdlib", help="'stdlib' or a folder: prompts from its held-out split")
     parser.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in --out")
     args = parser.parse_args(argv)
-    if args.eval_prompts < 0:
-        parser.error(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     if args.eval_only and not args.eval_prompts:
         parser.error("--eval-only evaluates the draft in --out on held-out prompts: pass --eval-prompts N")
-    if args.regenerate and args.prompt_len >= args.seq_len:
-        parser.error(f"--prompt-len {args.prompt_len} must be shorter than --seq-len {args.seq_len}: the target's "
-                     "responses to --regenerate prompts fill the rest of each row")
+    if args.regenerate and args.prompt_len > args.seq_len - 2:
+        parser.error(f"--prompt-len {args.prompt_len} must be at most --seq-len - 2 ({args.seq_len - 2}): the "
+                     "target's responses to --regenerate prompts fill the rest of each row, and a block needs "
+                     "two response tokens")
+    if args.save_data and (Path(args.save_data).suffix != ".npz" or not Path(args.save_data).parent.is_dir()):
+        parser.error(f"--save-data {args.save_data}: must name a .npz file in an existing folder")
 
-    target = load_target(args.target, dtype=args.dtype)
-    tokenizer = data.load_tokenizer(args.target)
-    eos_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else None
-    if args.eval_only:
-        draft = load_draft(args.out, target, dtype=args.dtype)
-    else:
-        mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token(
-            args.target, target.config.vocab_size)
-        ids = [int(i) for i in args.target_layer_ids.split(",")] if args.target_layer_ids else None
-        draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
-                                        mask_token_id=mask_id, target_layer_ids=ids)
-        train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
-                                 batch_size=args.batch, gamma=args.gamma, seed=args.seed,
-                                 compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
-        data_record = {"data": args.data, "seq_len": args.seq_len, "regenerate": args.regenerate}
-        if args.regenerate:
-            data_record.update(prompt_len=args.prompt_len, regen_temperature=args.regen_temperature,
-                               regen_batch=args.regen_batch)  # batches draw their own seeds
-        ckpt_dir = open_draft_run(target, args.out, draft_config, train, data_record, ckpt_dir=args.ckpt_dir,
-                                  resume=args.resume, overwrite=args.overwrite)
-        rows = _training_rows(args, target, tokenizer, eos_id, ckpt_dir, data_record)
+    with reported_as_errors():  # everything that reads the user's input, cheapest first; weights last
+        target_config = load_target_config(args.target)
+        tokenizer = data.load_tokenizer(args.target)
+        eos_id = target_config.eos_token_ids[0] if target_config.eos_token_ids else None
+        eval_prompts = _eval_prompts(args, tokenizer, eos_id) if args.eval_prompts else None
+        if args.eval_only:
+            target = load_target(args.target, dtype=args.dtype)
+            draft = load_draft(args.out, target, dtype=args.dtype)
+        else:
+            target, draft_config, train, ckpt_dir, rows = _open_cli_run(args, target_config, tokenizer, eos_id)
+    if not args.eval_only:
         draft = train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
                              max_shard_mb=args.max_shard_mb)
         draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
         print(f"train_draft: exported {args.out}")
-    if args.eval_prompts:
-        root = data.stdlib_root() if args.eval_corpus == "stdlib" else args.eval_corpus
-        heldout = data.encode_documents(tokenizer, data.read_texts(data.source_files(root)[1]), eos_id)
-        prompts = sample_prompts(heldout, args.eval_prompts, args.prompt_len, seed=12345)
-        results = [evaluate_tau(target, draft, prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
+    if eval_prompts:
+        results = [evaluate_tau(target, draft, eval_prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
                    for t in (0.0, 0.7)]
         for r in results:
             speedup = "n/a (plain decoding timed no tokens)" if r["speedup"] is None else f"{r['speedup']:.2f}x"
@@ -433,25 +439,66 @@ def main(argv: list[str] | None = None) -> None:
         (Path(args.out).with_name(Path(args.out).name + ".eval.json")).write_text(json.dumps(results, indent=1))
 
 
-def _training_rows(args, target: Target, tokenizer, eos_id: int | None, ckpt_dir: Path,
-                   data_record: dict) -> data.TokenRows:
+def _eval_prompts(args, tokenizer, eos_id: int | None) -> list[list[int]]:
+    """``--eval-prompts`` prompts cut from the held-out files of ``--eval-corpus``."""
+    root = data.stdlib_root() if args.eval_corpus == "stdlib" else args.eval_corpus
+    heldout = data.encode_documents(tokenizer, data.read_texts(data.source_files(root)[1]), eos_id)
+    return sample_prompts(heldout, args.eval_prompts, args.prompt_len, seed=12345)
+
+
+def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | None
+                  ) -> tuple[Target, DraftConfig, DraftTrainConfig, Path, data.TokenRows]:
+    """The CLI's run, checked cheapest first: the draft's shape and the data files, then the run's
+    folders (claimed), then the target's weights and the training rows (tokenized or generated
+    by the target: the long part)."""
+    mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token(
+        args.target, target_config.vocab_size)
+    ids = [int(i) for i in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    draft_config = new_draft_config(target_config, num_layers=args.num_layers, block_size=args.block_size,
+                                    mask_token_id=mask_id, target_layer_ids=ids)
+    token_files, texts = read_training_data(args.data)
+    for path, rows in token_files.items():
+        if rows.seq_len != args.seq_len:
+            raise ValueError(f"--data {path} holds rows of {rows.seq_len} tokens, not --seq-len {args.seq_len}: "
+                             f"pass --seq-len {rows.seq_len}")
+    train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
+                             batch_size=args.batch, gamma=args.gamma, seed=args.seed,
+                             compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
+    data_record = {"data": args.data, "seq_len": args.seq_len, "regenerate": args.regenerate}
+    if args.regenerate:
+        data_record.update(prompt_len=args.prompt_len, regen_temperature=args.regen_temperature,
+                           regen_batch=args.regen_batch)  # batches draw their own seeds
+    ckpt_dir = open_draft_run(target_config, args.target, args.out, draft_config, train, data_record,
+                              ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
+    target = load_target(args.target, dtype=args.dtype)
+    rows = _training_rows(args, target, tokenizer, eos_id, token_files, texts, ckpt_dir, data_record)
+    return target, draft_config, train, ckpt_dir, rows
+
+
+def _training_rows(args, target: Target, tokenizer, eos_id: int | None, token_files: dict[Path, data.TokenRows],
+                   texts: list[str], ckpt_dir: Path, data_record: dict) -> data.TokenRows:
     """The CLI's training rows: token files as they are, text packed, or target-written responses
     (regenerated once per run: ``--resume`` reads them back from the checkpoint folder)."""
     pad_id = eos_id if eos_id is not None else 0
-    token_rows, documents = load_rows_or_documents(args.data, tokenizer, eos_id)
+    parts, documents = list(token_files.values()), []
+    if texts:
+        with announced("train_draft", f"tokenizing {len(texts)} text files"):
+            documents = data.encode_documents(tokenizer, texts, eos_id)
     if args.regenerate:
         prompts = sample_prompts(documents, args.regenerate, args.prompt_len, args.seed)
         digest = hashlib.sha256(np.concatenate([np.asarray(p, np.int64) for p in prompts]).tobytes())
         record = {"target": str(Path(args.target).absolute()), "dtype": args.dtype, "data": data_record,
                   "seed": args.seed, "prompts_sha256": digest.hexdigest()}
-        token_rows.append(regenerated_rows(ckpt_dir, record, lambda: regenerate(
+        parts.append(regenerated_rows(ckpt_dir, record, lambda: regenerate(
             target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature, batch_size=args.regen_batch,
             pad_id=pad_id, seed=args.seed)))
     elif documents:
-        token_rows.append(data.pack_stream(documents, args.seq_len))
-    rows = data.concat_rows(token_rows)
+        parts.append(data.pack_stream(documents, args.seq_len, name=f"the {len(texts)} text files of --data"))
+    rows = data.concat_rows(parts)
+    data.check_anchorable(rows)
     if args.save_data:
         data.save_token_file(args.save_data, rows)
+        print(f"train_draft: wrote the training rows to {args.save_data}")
     print(f"train_draft: {len(rows)} rows of {rows.seq_len} tokens, {int(rows.loss_mask.sum()):,} supervised")
     return rows
 

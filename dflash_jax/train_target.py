@@ -9,18 +9,21 @@ generation_config.json) that this library and transformers both load, plus corpu
 held-out files) and train_summary.json. Orbax checkpoints, the run's settings (run.json) and its
 per-step log (train_log.json, written with every checkpoint) go to ``--ckpt-dir`` (default
 DIR.ckpt), which holds one run: a new run refuses a folder with checkpoints, ``--resume``
-continues the run there (with the same settings).
+continues the run there (with the same settings). A non-empty ``--out`` is replaced only with
+``--overwrite`` or by ``--resume`` of the run that run.json records as writing it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,55 @@ from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared command-line helpers.
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type of an int flag >= ``minimum``: a bad value is a usage error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a finite float flag > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def reported_as_errors() -> Iterator[None]:
+    """Around a training CLI's reading of the user's input: the library's refusals (OSError,
+    ValueError: missing or clashing folders, bad configs or data) become one ``error: ...`` line
+    and exit status 2, as ``python -m dflash_jax.generate`` reports them."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def announced(desc: str, what: str) -> Iterator[None]:
+    """Print ``what`` a long preparation step does before it starts and its time after, so a
+    silent wait of half a minute (tokenizing the stdlib) is explained."""
+    print(f"{desc}: {what} ...", flush=True)
+    began = time.perf_counter()
+    yield
+    print(f"{desc}: {what}: done in {time.perf_counter() - began:.1f} s", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,34 +184,60 @@ def _differences(stored, now, prefix: str = "") -> list[str]:
     return [] if stored == now else [f"{prefix.rstrip('.')}: {stored!r} in the stored run, {now!r} now"]
 
 
-def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool, overwrite: bool) -> None:
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool, overwrite: bool,
+                      inputs: Mapping[str, str | Path] | None = None) -> None:
     """Make ``ckpt_dir`` the home of the run described by ``run`` (JSON: model, data, recipe;
-    recorded there as run.json) and check that it may write ``out_dir``. Without ``resume``,
-    ``ckpt_dir`` must hold no checkpoints (orbax would keep another run's steps and skip this
-    one's); with it, checkpoints there must come from an equal ``run``. A non-empty ``out_dir``
-    is replaced only by a run continuing from checkpoints (it wrote it) or with ``overwrite``.
-    Raises FileExistsError / ValueError before writing anything; deletes nothing."""
+    recorded there as run.json, with the ``out_dir`` it writes) and check that it may write
+    ``out_dir``. Without ``resume``, ``ckpt_dir`` must hold no checkpoints (orbax would keep
+    another run's steps and skip this one's); with it, it must hold checkpoints of an equal
+    ``run``. A non-empty ``out_dir`` is replaced only with ``overwrite`` or by a resumed run whose
+    run.json records it as its output. The export replaces ``out_dir`` whole, so it must not hold
+    ``ckpt_dir``, nor hold or lie inside the folders of ``inputs`` (flag: folder the run reads).
+    Raises FileNotFoundError / FileExistsError / ValueError before writing anything; deletes
+    nothing."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    if _within(ckpt_dir, out_dir):
+        raise ValueError(f"--ckpt-dir {ckpt_dir} lies in --out {out_dir}, which the export replaces whole: "
+                         "choose a --ckpt-dir outside it")
+    for flag, folder in (inputs or {}).items():
+        if _within(Path(folder), out_dir) or _within(out_dir, Path(folder)):
+            raise ValueError(f"--out {out_dir} and {flag} {folder} are the same folder or one holds the other, "
+                             "and the export replaces --out whole: choose an --out apart from it")
     steps = saved_steps(ckpt_dir)
     run = json.loads(json.dumps(run))
+    if resume and not steps:
+        raise FileNotFoundError(f"--resume: no checkpoints in {ckpt_dir} to resume; start the run without --resume")
     if steps and not resume:
         raise FileExistsError(f"{ckpt_dir} already holds checkpoints (steps {steps}) of a training run: pass "
                               "--resume to continue that run, or choose another --ckpt-dir (or empty this one)")
+    stored_out = None
     if steps:
         if not (ckpt_dir / RUN_FILE).is_file():
             raise ValueError(f"{ckpt_dir} holds checkpoints but no {RUN_FILE} describing their run, so resuming "
                              "cannot check it is the same run: choose another --ckpt-dir")
-        differences = _differences(json.loads((ckpt_dir / RUN_FILE).read_text()), run)
+        stored = json.loads((ckpt_dir / RUN_FILE).read_text())
+        stored_out = stored.pop("out", None)  # where the run writes is no part of what it is
+        differences = _differences(stored, run)
         if differences:
             raise ValueError(f"--resume: the run in {ckpt_dir} differs from this one ("
                              + "; ".join(differences) + "). A resumed run keeps its model, data and recipe "
                              "(the learning-rate schedule is laid out over its --steps): pass the values it "
                              "was started with, or start a new run in another --ckpt-dir")
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not (steps or overwrite):
-        raise FileExistsError(f"{out_dir} already exists and is not empty (and this run does not continue one "
-                              "from its checkpoints): pass --overwrite to replace it, or choose another --out")
+    own_output = stored_out is not None and Path(stored_out).resolve() == out_dir.resolve()
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not (overwrite or own_output):
+        why = ("this run does not continue one from its checkpoints" if not steps else
+               f"the run in {ckpt_dir} writes {stored_out}" if stored_out else
+               f"{ckpt_dir / RUN_FILE} does not record which --out its run writes")
+        raise FileExistsError(f"{out_dir} already exists and is not empty ({why}): pass --overwrite to replace "
+                              "it, or choose another --out")
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    write_json(ckpt_dir / RUN_FILE, run)
+    write_json(ckpt_dir / RUN_FILE, {**run, "out": str(out_dir.absolute())})
 
 
 def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int], tuple], *, optim: OptimConfig,
@@ -334,52 +412,79 @@ def make_evaluator(config: ModelConfig, rows: data.TokenRows, batch_size: int, d
     return evaluate
 
 
-def train_target(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str | Path = "stdlib",
-                 max_files: int | None = None, ckpt_dir: str | Path | None = None, resume: bool = False,
-                 overwrite: bool = False, eval_every: int = 250, max_eval_rows: int = 128,
-                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB):
-    """Train the tokenizer and the target on the training split of ``corpus`` (``"stdlib"``: the
-    running interpreter's; or a folder of ``*.py``), tracking the loss on its held-out split;
-    export the HF folder to ``out_dir`` (a non-empty one only when resuming from checkpoints or
-    with ``overwrite``) and return (config, f32 params)."""
+@dataclasses.dataclass(frozen=True)
+class TargetRun:
+    """A target run opened by ``open_target_run``: its folders claimed, its data tokenized."""
+
+    out_dir: Path
+    ckpt_dir: Path
+    train: TargetTrainConfig
+    config: ModelConfig
+    rows: data.TokenRows
+    eval_rows: data.TokenRows
+    corpus: dict  # corpus.json: the corpus, its held-out rule and files, the training file count
+    resume: bool
+
+
+def open_target_run(out_dir: str | Path, train: TargetTrainConfig, *, corpus: str | Path = "stdlib",
+                    max_files: int | None = None, ckpt_dir: str | Path | None = None, resume: bool = False,
+                    overwrite: bool = False, max_eval_rows: int = 128) -> TargetRun:
+    """Everything a run reads from the user, checked before it writes: the split of ``corpus``
+    (``"stdlib"``: the running interpreter's; or a folder of ``*.py``) and the run's folders
+    (``claim_run_folders``: ``out_dir`` non-empty only when resuming the run that wrote it or with
+    ``overwrite``); then the tokenizer, trained on the training split (read back on resume), and
+    the packed training and held-out rows."""
     out_dir = Path(out_dir)
     ckpt_dir = Path(ckpt_dir) if ckpt_dir else out_dir.with_name(out_dir.name + ".ckpt")
     root = data.stdlib_root() if corpus == "stdlib" else Path(corpus)
-    claim_run_folders(ckpt_dir, out_dir, {"corpus": str(corpus if corpus == "stdlib" else root.absolute()),
-                                          "max_files": max_files, "train": run_recipe(train)},
-                      resume=resume, overwrite=overwrite)
     files, heldout = data.source_files(root)
     files = files[:max_files] if max_files else files
+    claim_run_folders(ckpt_dir, out_dir, {"corpus": str(corpus if corpus == "stdlib" else root.absolute()),
+                                          "max_files": max_files, "train": run_recipe(train)},
+                      resume=resume, overwrite=overwrite, inputs={"--corpus": root})
     staging = ckpt_dir / "tokenizer"
     texts = data.read_texts(files)
     if resume and (staging / "tokenizer.json").is_file():
         tokenizer = data.load_tokenizer(staging)
     else:
-        tokenizer = data.train_tokenizer(texts, train.shape.vocab_size, staging)
+        with announced("train_target", f"training a {train.shape.vocab_size}-token tokenizer on {len(files)} files"):
+            tokenizer = data.train_tokenizer(texts, train.shape.vocab_size, staging)
     eos_id = tokenizer.token_to_id(data.EOS_TOKEN)
     config = dataclasses.replace(train.shape, vocab_size=tokenizer.get_vocab_size()).model_config(eos_id)
-    rows = data.pack_stream(data.encode_documents(tokenizer, texts, eos_id), train.seq_len)
-    eval_rows = data.pack_stream(data.encode_documents(tokenizer, data.read_texts(heldout), eos_id), train.seq_len)
+    with announced("train_target", f"tokenizing {len(files)} training and {len(heldout)} held-out files"):
+        rows = data.pack_stream(data.encode_documents(tokenizer, texts, eos_id), train.seq_len,
+                                name=f"the {len(files)} training files of {root}")
+        eval_rows = data.pack_stream(data.encode_documents(tokenizer, data.read_texts(heldout), eos_id),
+                                     train.seq_len, name=f"the {len(heldout)} held-out files of {root}")
     eval_rows = data.TokenRows(eval_rows.tokens[:max_eval_rows], eval_rows.loss_mask[:max_eval_rows])
     print(f"train_target: {len(files)} files, {rows.tokens.size:,} tokens ({len(heldout)} held-out files), "
           f"vocab {config.vocab_size}")
+    return TargetRun(out_dir, ckpt_dir, train, config, rows, eval_rows,
+                     {**data.corpus_manifest(root, heldout), "train_files": len(files)}, resume)
 
+
+def train_target(run: TargetRun, *, eval_every: int = 250, max_shard_mb: int = DEFAULT_MAX_SHARD_MB):
+    """Train the target of an opened run, tracking the loss on its held-out rows; export the HF
+    folder (with the tokenizer, corpus.json and train_summary.json) to its ``out_dir`` and return
+    (config, f32 params)."""
+    train, config, rows, eval_rows = run.train, run.config, run.rows, run.eval_rows
     params = init_target_params(config, jax.random.key(train.seed), jnp.float32)
     state = TrainState.create(params, make_optimizer(train.optim))
     state, history = run_training(
         state, functools.partial(train_step, config=config, train=train),
         lambda step: rows.batch(step, train.batch_size, train.seed),
-        optim=train.optim, ckpt_dir=ckpt_dir, save_every=train.save_every, resume=resume,
+        optim=train.optim, ckpt_dir=run.ckpt_dir, save_every=train.save_every, resume=run.resume,
         time_budget=train.time_budget, desc="target",
         postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['accuracy']:.3f}"},
         evaluate=make_evaluator(config, eval_rows, train.batch_size, train.compute_dtype), eval_every=eval_every)
 
+    out_dir = run.out_dir
     export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True, max_shard_mb=max_shard_mb)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out_dir / name).write_bytes((staging / name).read_bytes())
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "do_sample": False}))
-    (out_dir / "corpus.json").write_text(json.dumps({**data.corpus_manifest(root, heldout),
-                                                     "train_files": len(files)}, indent=1))
+        (out_dir / name).write_bytes((run.ckpt_dir / "tokenizer" / name).read_bytes())
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": config.eos_token_ids[0],
+                                                                "do_sample": False}))
+    (out_dir / "corpus.json").write_text(json.dumps(run.corpus, indent=1))
     last = history[-1] if history else {}
     summary = {"params": int(sum(x.size for x in jax.tree.leaves(state.params))),
                "train_tokens": int(rows.tokens.size), "steps": int(state.step),
@@ -393,46 +498,48 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output HF model folder")
     parser.add_argument("--corpus", default="stdlib",
-                        help="'stdlib' (the running interpreter's *.py) or a folder of *.py files")
-    parser.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
+                        help="'stdlib' (the running interpreter's *.py) or a folder of *.py files (at least 2)")
+    parser.add_argument("--max-files", type=at_least(1), default=None, help="use only the first N training files")
     parser.add_argument("--ckpt-dir", default=None, help="orbax checkpoints and tokenizer staging (DIR.ckpt)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --ckpt-dir (same settings; --steps included)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     defaults, shape = TargetTrainConfig(), TinyTargetShape()
-    parser.add_argument("--vocab-size", type=int, default=shape.vocab_size)
-    parser.add_argument("--hidden", type=int, default=shape.hidden_size)
-    parser.add_argument("--layers", type=int, default=shape.num_layers)
-    parser.add_argument("--heads", type=int, default=shape.num_heads)
-    parser.add_argument("--kv-heads", type=int, default=shape.num_kv_heads)
-    parser.add_argument("--head-dim", type=int, default=shape.head_dim)
-    parser.add_argument("--intermediate", type=int, default=shape.intermediate_size)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--batch", type=int, default=defaults.batch_size)
-    parser.add_argument("--steps", type=int, default=defaults.optim.steps)
+    parser.add_argument("--vocab-size", type=at_least(1), default=shape.vocab_size)
+    parser.add_argument("--hidden", type=at_least(1), default=shape.hidden_size)
+    parser.add_argument("--layers", type=at_least(1), default=shape.num_layers)
+    parser.add_argument("--heads", type=at_least(1), default=shape.num_heads)
+    parser.add_argument("--kv-heads", type=at_least(1), default=shape.num_kv_heads)
+    parser.add_argument("--head-dim", type=at_least(1), default=shape.head_dim)
+    parser.add_argument("--intermediate", type=at_least(1), default=shape.intermediate_size)
+    parser.add_argument("--seq-len", type=at_least(2), default=defaults.seq_len)
+    parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size)
+    parser.add_argument("--steps", type=at_least(1), default=defaults.optim.steps)
     parser.add_argument("--lr", type=float, default=defaults.optim.lr)
     parser.add_argument("--weight-decay", type=float, default=defaults.optim.weight_decay)
-    parser.add_argument("--save-every", type=int, default=defaults.save_every)
-    parser.add_argument("--eval-every", type=int, default=250, help="held-out loss every N steps")
+    parser.add_argument("--save-every", type=at_least(1), default=defaults.save_every)
+    parser.add_argument("--eval-every", type=at_least(0), default=250,
+                        help="held-out loss every N steps (0: at the end only)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                         help="fit the run (compile included) in this time: fewer steps, same schedule "
                              "shape (with --resume: the steps left)")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"],
                         help="compute dtype (master weights stay float32)")
-    parser.add_argument("--max-shard-mb", type=int, default=DEFAULT_MAX_SHARD_MB,
+    parser.add_argument("--max-shard-mb", type=at_least(1), default=DEFAULT_MAX_SHARD_MB,
                         help="largest safetensors shard of the exported model, MB")
     args = parser.parse_args(argv)
-    train = TargetTrainConfig(
-        shape=TinyTargetShape(vocab_size=args.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                              num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                              intermediate_size=args.intermediate),
-        optim=OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay),
-        seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, compute_dtype=args.dtype,
-        save_every=args.save_every, time_budget=args.time_budget)
-    train_target(args.out, train, corpus=args.corpus, max_files=args.max_files, ckpt_dir=args.ckpt_dir,
-                 resume=args.resume, overwrite=args.overwrite, eval_every=args.eval_every,
-                 max_shard_mb=args.max_shard_mb)
+    with reported_as_errors():
+        train = TargetTrainConfig(
+            shape=TinyTargetShape(vocab_size=args.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
+                                  num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                  intermediate_size=args.intermediate),
+            optim=OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay),
+            seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, compute_dtype=args.dtype,
+            save_every=args.save_every, time_budget=args.time_budget)
+        run = open_target_run(args.out, train, corpus=args.corpus, max_files=args.max_files,
+                              ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
+    train_target(run, eval_every=args.eval_every, max_shard_mb=args.max_shard_mb)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,14 @@ TEXT_GLOB = str(STDLIB / "json" / "*.py")
 DRAFT_STEPS = 12
 
 
+def cli_error(main, args: list[str], capsys) -> str:
+    """The one error a training CLI prints for ``args`` (it exits with status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # Anchors, blocks, mask: seq len 8, block 4, 2 anchors, by hand.
 
@@ -72,8 +80,11 @@ def test_token_files_and_prompt_response_rows(tmp_path):
     assert rows.tokens.tolist() == [[1, 2, 4, 5, 6], [3, 7, 8, 9, 10]]
     assert rows.loss_mask.astype(int).tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
     data.save_token_file(tmp_path / "rows.npz", rows)
-    loaded, documents = train_draft.load_rows_or_documents([str(tmp_path / "*.npz")], None, None)
-    assert documents == [] and (loaded[0].tokens == rows.tokens).all() and (loaded[0].loss_mask == rows.loss_mask).all()
+    (tmp_path / "notes.txt").write_text("some text")
+    loaded, texts = train_draft.read_training_data([str(tmp_path / "*")])
+    assert texts == ["some text"] and list(loaded) == [tmp_path / "rows.npz"]
+    assert (loaded[tmp_path / "rows.npz"].tokens == rows.tokens).all()
+    assert (loaded[tmp_path / "rows.npz"].loss_mask == rows.loss_mask).all()
     assert data.concat_rows([rows, rows]).tokens.shape == (4, 5)
     first = rows.batch(3, 4, seed=0)[0]
     assert (first == rows.batch(3, 4, seed=0)[0]).all()
@@ -151,32 +162,64 @@ def test_resume_continues_identically(trained):
     np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in full], rtol=1e-6)
 
 
-def test_a_checkpoint_folder_holds_one_run(trained, tmp_path):
+def test_a_checkpoint_folder_holds_one_run(trained, tmp_path, capsys):
     root, draft_args = trained
     state = root / "draft.ckpt" / "state"
     saved = sorted(p.name for p in state.iterdir())
-    with pytest.raises(FileExistsError, match="already holds checkpoints .* pass --resume"):
-        train_draft.main(draft_args)                                  # the same command again
-    with pytest.raises(FileExistsError, match="already holds checkpoints"):
-        train_draft.main(draft_args + ["--out", str(tmp_path / "other"), "--ckpt-dir", str(state.parent)])
+    error = cli_error(train_draft.main, draft_args, capsys)              # the same command again
+    assert error.startswith("error: ") and "already holds checkpoints" in error and "pass --resume" in error
+    error = cli_error(train_draft.main, draft_args + ["--out", str(tmp_path / "other"), "--ckpt-dir",
+                                                      str(state.parent)], capsys)
+    assert "already holds checkpoints" in error
     # --resume checks the stored run: a new --steps is refused (the schedule is laid out over it)
-    with pytest.raises(ValueError, match=f"train.optim.steps: {DRAFT_STEPS} in the stored run, 20 now"):
-        train_draft.main(draft_args + ["--resume", "--steps", "20"])
-    with pytest.raises(ValueError, match="draft.block_size: 4 in the stored run, 8 now"):
-        train_draft.main(draft_args + ["--resume", "--block-size", "8"])
+    error = cli_error(train_draft.main, draft_args + ["--resume", "--steps", "20"], capsys)
+    assert f"train.optim.steps: {DRAFT_STEPS} in the stored run, 20 now" in error
+    error = cli_error(train_draft.main, draft_args + ["--resume", "--block-size", "8"], capsys)
+    assert "draft.block_size: 4 in the stored run, 8 now" in error
     assert sorted(p.name for p in state.iterdir()) == saved and not (tmp_path / "other").exists()
 
 
-def test_draft_output_is_replaced_only_with_overwrite(trained, tmp_path):
+def test_resume_replaces_only_the_output_its_run_records(tmp_path):
+    run, ckpt, own, other = {"train": {"steps": 2}}, tmp_path / "ckpt", tmp_path / "own", tmp_path / "other"
+    with pytest.raises(FileNotFoundError, match="no checkpoints in .* to resume"):
+        train_target.claim_run_folders(ckpt, own, run, resume=True, overwrite=False)
+    train_target.claim_run_folders(ckpt, own, run, resume=False, overwrite=False)
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
+    train_target.run_training(state, lambda s, lr: (s.replace(step=s.step + 1), {}), lambda step: (),
+                              optim=train_target.OptimConfig(steps=2, lr=1e-3), ckpt_dir=ckpt, save_every=1,
+                              resume=False, desc="claim", postfix=lambda m: {})
+    for folder in (own, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text("keep me")
+    train_target.claim_run_folders(ckpt, own, run, resume=True, overwrite=False)         # the run's own --out
+    with pytest.raises(FileExistsError, match=f"the run in .* writes {own}.* --overwrite"):
+        train_target.claim_run_folders(ckpt, other, run, resume=True, overwrite=False)
+    # a run.json of before the field: only an empty --out, or --overwrite
+    stored = json.loads((ckpt / "run.json").read_text())
+    assert stored.pop("out") == str(own)
+    (ckpt / "run.json").write_text(json.dumps(stored))
+    with pytest.raises(FileExistsError, match="does not record which --out"):
+        train_target.claim_run_folders(ckpt, own, run, resume=True, overwrite=False)
+    train_target.claim_run_folders(ckpt, tmp_path / "new", run, resume=True, overwrite=False)
+    assert json.loads((ckpt / "run.json").read_text())["out"] == str(tmp_path / "new")
+    train_target.claim_run_folders(ckpt, other, run, resume=True, overwrite=True)
+    assert (own / "model.safetensors").read_text() == (other / "model.safetensors").read_text() == "keep me"
+    # the export replaces --out whole: it must not hold the checkpoints or the run's inputs
+    target = {"--target": tmp_path / "in"}
+    for out, inputs in ((tmp_path, None), (ckpt, None), (tmp_path / "in", target), (tmp_path, target),
+                        (tmp_path / "in" / "x", target)):
+        with pytest.raises(ValueError, match="--out"):
+            train_target.claim_run_folders(ckpt, out, run, resume=True, overwrite=True, inputs=inputs)
+
+
+def test_draft_output_is_replaced_only_with_overwrite(trained, tmp_path, capsys):
     root, draft_args = trained
     out = tmp_path / "draft"
     shutil.copytree(root / "draft", out)                               # say, a downloaded draft
     (out / "README.md").write_text("keep me")
     args = draft_args + ["--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")]
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        train_draft.main(args)
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        train_draft.main(args + ["--resume"])                         # no checkpoints: not the run that wrote it
+    assert "--overwrite" in cli_error(train_draft.main, args, capsys)
+    assert "no checkpoints" in cli_error(train_draft.main, args + ["--resume"], capsys)
     assert (out / "README.md").read_text() == "keep me" and not (tmp_path / "ckpt").exists()
     train_draft.main(args + ["--overwrite"])
     assert not (out / "README.md").exists() and (out / "config.json").is_file()
@@ -224,11 +267,73 @@ def test_interrupted_run_keeps_its_log_and_resumes_within_its_budget(tmp_path):
 def test_draft_cli_rejects_contradictory_options(capsys):
     base = ["--target", "unused", "--out", "unused"]
     for extra, message in ((["--eval-only"], "pass --eval-prompts N"),
-                           (["--regenerate", "4", "--prompt-len", "64", "--seq-len", "64"],
-                            "--prompt-len 64 must be shorter than --seq-len 64")):
-        with pytest.raises(SystemExit):
-            train_draft.main(base + extra)
-        assert message in capsys.readouterr().err
+                           (["--regenerate", "4", "--prompt-len", "63", "--seq-len", "64"],
+                            "--prompt-len 63 must be at most --seq-len - 2 (62)"),
+                           (["--save-data", "rows.bin"], "must name a .npz file"),
+                           (["--save-data", "/no/such/folder/rows.npz"], "a .npz file in an existing folder")):
+        assert message in cli_error(train_draft.main, base + extra, capsys)
+
+
+@pytest.mark.parametrize("main,flag,value", [
+    *((train_draft.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--anchors", "--num-layers",
+                                                  "--regen-batch", "--regenerate", "--gamma", "--time-budget")),
+    (train_draft.main, "--steps", "-3"), (train_draft.main, "--gamma", "nan"), (train_draft.main, "--seq-len", "1"),
+    *((train_target.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--kv-heads", "--time-budget")),
+    (train_target.main, "--seq-len", "1"), (train_target.main, "--steps", "many")])
+def test_cli_flag_values_are_checked_before_anything_runs(main, flag, value, capsys):
+    args = ["--out", "unused"] + (["--target", "unused"] if main is train_draft.main else [])
+    assert f"argument {flag}: must be" in cli_error(main, args + [flag, value], capsys)
+
+
+def test_draft_data_is_checked_before_the_target_loads(trained, tmp_path, monkeypatch, capsys):
+    root = trained[0]
+    base = ["--target", str(root / "target"), "--out", str(tmp_path / "draft"), "--seq-len", "8"]
+    (tmp_path / "chat.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    rows = data.TokenRows(np.ones((3, 8), np.int32), np.tile([True, False], (3, 4)))   # no two supervised in a row
+    data.save_token_file(tmp_path / "sparse.npz", rows)
+    data.save_token_file(tmp_path / "long.npz", data.TokenRows(np.ones((3, 16), np.int32), np.ones((3, 16), bool)))
+    monkeypatch.setattr(train_draft, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    for data_args, message in (([str(tmp_path / "chat.jsonl")], "JSON Lines files are not read as training data"),
+                               ([str(tmp_path / "empty.py"), str(tmp_path / "blank.txt")],
+                                "no training text in --data (all 2 files empty)"),
+                               ([str(tmp_path / "long.npz")], "holds rows of 16 tokens, not --seq-len 8")):
+        assert message in cli_error(train_draft.main, base + ["--data", *data_args], capsys)
+    assert not (tmp_path / "draft.ckpt").exists()
+    with pytest.raises(ValueError, match="no row of the 3 training rows has two consecutive supervised tokens"):
+        data.check_anchorable(rows)
+
+
+def test_small_corpus_folders_hold_out_one_file(tmp_path):
+    for name in ("a.py", "c.py", "g.py"):                  # crc32 % 1000: 502, 765, 274: none below 20
+        assert not data.is_heldout(name)
+        (tmp_path / name).write_text("x = 1\n")
+    assert data.source_files(tmp_path) == ([tmp_path / "a.py", tmp_path / "c.py"], [tmp_path / "g.py"])
+    for name in ("a.py", "c.py"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ValueError, match="a single \\*.py file"):
+        data.source_files(tmp_path)
+
+
+def test_regenerate_generates_each_prompt_once(monkeypatch):
+    import dflash_jax.generate
+
+    batches = []
+
+    def fake_generate(target, prompts, *, max_new_tokens, **kwargs):
+        batches.append(len(prompts))
+        return dflash_jax.generate.GenerationResult([[7] * n for n in max_new_tokens], None)
+
+    monkeypatch.setattr(dflash_jax.generate, "generate", fake_generate)
+    monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
+    rows = train_draft.regenerate(None, [[1, 2]] * 5, seq_len=6, temperature=0.0, batch_size=2, pad_id=0)
+    assert batches == [2, 2, 1] and len(rows) == 5 and rows.loss_mask.sum() == 5 * 4
+
+
+def test_progress_label_names_the_positions_shown():
+    postfix = train_draft._postfix({"loss": 1.0, "tau_proxy": 1.5, "position_accuracy": [0.5, 0.25, 0.125]})
+    assert postfix["acc@1,2"] == "0.50,0.25"
 
 
 def test_eval_only_prints_an_untimed_speedup_as_na(trained, monkeypatch, capsys):
