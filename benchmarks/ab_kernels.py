@@ -6,7 +6,7 @@ visible against itself on one machine, so this alternates the op on and off
 (``attention.AUTO_KERNELS``) for ``--rounds`` rounds, clearing the jit caches between settings,
 and prints both columns side by side. Cases are ``batch:block[:context]``; block 0 is plain
 decode, otherwise DFlash under acceptance replay at ``--alpha``. Random weights at the Qwen3-8B
-shape, as in bench_e2e.py.
+shape, as in bench_e2e.py. The JSON is rewritten after every case.
 
     PYTHONPATH=. python3 benchmarks/ab_kernels.py --op write_kv --cases 1:0,1:16,8:16,32:8 --out $OUT
 """
@@ -14,9 +14,8 @@ shape, as in bench_e2e.py.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -24,62 +23,75 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import run_loop  # noqa: E402
-from common import SHAPES, random_models  # noqa: E402
+from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
+                    positive_int, random_models, run_record, write_json)
 
 from dflash_jax import attention  # noqa: E402
 
 
 def parse_cases(spec: str) -> list[tuple[int, int, int]]:
-    """``batch:block[:context]`` items (context 512 when left out) -> (batch, block, context)."""
+    """argparse type: ``batch:block[:context]`` items (context 512 when left out) -> (batch,
+    block, context); batch and context >= 1 (blocks are checked against the shape later)."""
     cases = []
-    for item in filter(None, spec.split(",")):
+    for item in spec.split(","):
         fields = item.split(":")
         if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
-            raise SystemExit(f"--cases {item!r}: expected batch:block[:context], e.g. 32:8:4096")
+            raise argparse.ArgumentTypeError(f"{item!r}: expected batch:block[:context], e.g. 32:8:4096")
         batch, block, context = (int(f) for f in (*fields, "512")[:3])
+        if batch < 1 or context < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: batch and context must be >= 1")
         cases.append((batch, block, context))
     return cases
 
 
-def main():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The settings, every value checked before any device work."""
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--op", required=True, choices=sorted(attention.AUTO_KERNELS))
-    parser.add_argument("--cases", default="1:0,1:16,8:16,32:8", help="batch:block[:context],...")
-    parser.add_argument("--alpha", type=float, default=0.86)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed chunk")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", type=parse_cases, default="1:0,1:16,8:16,32:8",
+                        help="batch:block[:context],...; block 0: plain decode")
+    parser.add_argument("--alpha", type=acceptance_rate, default=0.86, help="in [0, 1)")
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=16, help="decode steps per timed chunk")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
-    parser.add_argument("--out", default="out")
-    args = parser.parse_args()
-    cases = parse_cases(args.cases)
+    parser.add_argument("--out", type=output_dir, default="out")
+    args = parser.parse_args(argv)
+    check_block_sizes(parser, "--cases", [block for _, block, _ in args.cases if block], args.shape)
+    check_positions(parser, "--cases", [context for _, _, context in args.cases],
+                    args.steps * SHAPES[args.shape][1].block_size + 1, args.shape)
+    return args
+
+
+def main(argv: list[str] | None = None):
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = run_record(args)
+    report.update(op=args.op, alpha=args.alpha, rows=[])
+    save = functools.partial(write_json, args.out / "ab_kernels.json", report)
+    rows = report["rows"]
     target, draft = random_models(args.shape)
     default = attention.AUTO_KERNELS[args.op]
-    rows = []
     try:
         for round_ in range(args.rounds):
             for on in (True, False):
                 attention.AUTO_KERNELS[args.op] = on
                 jax.clear_caches()
-                for batch, block, context in cases:
+                for batch, block, context in args.cases:
                     result = run_loop(target, draft if block else None, batch, context, block or 1, args.steps,
                                       [args.alpha if block else None], args.repeats, np.random.default_rng(0),
                                       "auto", None)
                     ms = next(iter(result.values()))["ms_per_step"]
                     rows.append({"round": round_, "on": on, "batch": batch, "block": block,
                                  "context": context, "ms_per_step": ms})
+                    save()
                     print(f"round {round_} {args.op}={'on' if on else 'off'} bs {batch} block {block} "
                           f"ctx {context}: {ms:.3f} ms/step", file=sys.stderr, flush=True)
     finally:
         attention.AUTO_KERNELS[args.op] = default
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(sys.argv), "op": args.op, "alpha": args.alpha, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_kernels.json").write_text(json.dumps(report, indent=2))
     print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | {args.op}, ms per step by round")
     print(f"| case | {args.op} on | off |\n|---|---|---|")
-    for batch, block, context in cases:
+    for batch, block, context in args.cases:
         def column(on):
             return ", ".join(f"{r['ms_per_step']:.3f}" for r in rows if r["on"] == on and
                              (r["batch"], r["block"], r["context"]) == (batch, block, context))

@@ -2,16 +2,21 @@
 
 Speed does not depend on weight values, so the target (36 layers, hidden 4096, vocab 151936,
 bf16) and a 5-layer draft are random; acceptance is replayed: each draft position is accepted
-with probability alpha up to the first rejection (tau(B) = (1 - alpha^B) / (1 - alpha)). The
-whole machinery runs (draft, verify, commit, variable-length advance); only the accept decision
-is replaced. Reports, against ceilings measured in the same run:
+with probability alpha up to the first rejection (expected tau(B) = (1 - alpha^B) / (1 - alpha)).
+The whole machinery runs (draft, verify, commit, variable-length advance); only the accept
+decision is replaced. Every timed chunk starts from a fresh, untimed prefill of the prompts, so
+"ctx N" means each chunk starts at context N. Reports, against ceilings measured in the same run:
 
 - baseline decode ms/token at bs 1/8/32, context 512 and 4k, as a fraction of its byte roofline;
 - the DFlash step's parts (draft, verify, commit; context 512, block 16) against their rooflines;
-- tok/s and speedup over the own baseline at the same batch and context, alpha 0.86 / 0.68,
-  bs 1/8/32, every context, blocks 4/8/16;
+- per alpha 0.86 / 0.68, bs 1/8/32, every context, blocks 4/8/16: the median step time, tok/s and
+  speedup over the own baseline at the same batch and context, both at the expected tau (so they
+  are unbiased for alpha), and the tau the replay realized over all repeats (each with its own
+  seed) as a check;
 - the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine), and
-  ours over it at equal acceptance: bs 1, block 16, the reference's context.
+  ours over it at equal (expected) acceptance: bs 1, block 16, the reference's context.
+
+The JSON is rewritten after every measurement, so a late failure keeps the earlier ones.
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --out $OUT [--reference-json $OUT/reference.json]
 """
@@ -19,6 +24,7 @@ is replaced. Reports, against ceilings measured in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -31,91 +37,179 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, measure_ceilings, median_seconds, override_auto_kernels, random_models  # noqa: E402
+from common import (CEILING_SIZES, SHAPES, acceptance_rates, auto_kernel_overrides, check_block_sizes,  # noqa: E402
+                    check_positions, measure_ceilings, median_seconds, names_from, output_dir,
+                    override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
+                    run_record, write_json)
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
-from dflash_jax.generate import prepare  # noqa: E402
+from dflash_jax.decode import default_steps_per_check  # noqa: E402
+from dflash_jax.generate import PreparedGeneration, prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 
+SECTIONS = ("decode", "parts", "e2e")
+PARTS_CONTEXT, PARTS_BLOCK = 512, 16
+REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
+REFERENCE_KEYS = ("decode_step_s", "dflash_step_s")
 
-def tau(alpha: float, block: int) -> float:
+
+def expected_tau(alpha: float, block: int) -> float:
+    """Mean tokens per step when each of the block-1 drafts is accepted with probability alpha up
+    to the first rejection, bonus token included (alpha in [0, 1))."""
     return (1 - alpha ** block) / (1 - alpha)
+
+
+def tokens_per_second(batch: int, tau: float, ms_per_step: float) -> float:
+    return batch * tau / (ms_per_step / 1e3)
 
 
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def nparams(tree) -> int:
+    return sum(x.size for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Bytes a part of a step must move and the matmul FLOPs it must do."""
+
+    bytes: float
+    flops: float
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.bytes + other.bytes, self.flops + other.flops)
+
+
 class Roofline:
-    """Bytes and FLOPs a step must move/do, turned into a floor time by the measured ceilings."""
+    """What each part of a step must move and compute (the weights it reads, the context's KV
+    cache; matmuls at 2 FLOPs per weight per token), turned into a floor time by the measured
+    ceilings: the larger of bytes over the copy bandwidth and FLOPs over the matmul rate. A DFlash
+    step is its three parts: draft, verify and commit."""
 
     def __init__(self, target: Target, draft: Draft, ceilings: dict):
         tc, dc = target.config, draft.config.model
         self.bw, self.rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
-        t = target.params
-        self.target_weights = nbytes(t) - nbytes(t.embed)       # everything a forward reads
-        self.lm_head = nbytes(t.lm_head if t.lm_head is not None else t.embed)
-        self.draft_weights = nbytes(draft.params) + self.lm_head  # draft logits re-read the head
-        per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2  # noqa: E731  (K+V, bf16)
-        self.target_kv_token = per_token(tc) * tc.num_layers
-        self.draft_kv_token = per_token(dc) * dc.num_layers
+        t, d = target.params, draft.params
+        # Every weight a target forward reads (the embedding only a few rows), LM head included.
+        self.target = Cost(nbytes(t) - nbytes(t.embed), 2 * (nparams(t) - nparams(t.embed)))
+        # The draft's block pass: its layers and final norm, then the LM head again for the draft
+        # logits (its own head for a reduced vocabulary); fc is read only by commit.
+        head = d.lm_head if d.lm_head is not None else t.lm_head if t.lm_head is not None else t.embed
+        self.draft_layers = Cost(nbytes(d.layers) + nbytes(d.norm), 2 * (nparams(d.layers) + nparams(d.norm)))
+        self.draft_head = Cost(nbytes(head), 2 * nparams(head))
+        # Commit: fc, then each draft layer's k/v columns of qkv_proj for the committed tokens.
+        kv_columns = sum(layer.qkv_proj.shape[0] * (layer.qkv_proj.shape[1] - layer.q_size) for layer in d.layers)
+        itemsize = d.fc.dtype.itemsize
+        self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize, 2 * (nparams(d.fc) + kv_columns))
+        kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * cfg.num_layers  # noqa: E731  (K+V, bf16)
+        self.target_kv_token, self.draft_kv_token = kv_per_token(tc), kv_per_token(dc)
 
-    def floor(self, weight_bytes, kv_bytes, tokens) -> float:
-        """Bytes over bandwidth, or matmul FLOPs (2 per bf16 parameter per token) over the rate."""
-        flops = 2 * (weight_bytes / 2) * tokens
-        return max((weight_bytes + kv_bytes) / self.bw, flops / self.rate)
+    def seconds(self, cost: Cost) -> float:
+        return max(cost.bytes / self.bw, cost.flops / self.rate)
 
-    def decode(self, batch, context):
-        return self.floor(self.target_weights, batch * context * self.target_kv_token,
-                          batch)
+    def verify(self, batch, context, block) -> Cost:
+        """The target over ``block`` tokens per sequence (block 1: a plain decode step)."""
+        return Cost(self.target.bytes + batch * context * self.target_kv_token, self.target.flops * batch * block)
 
-    def verify(self, batch, context, block):
-        return self.floor(self.target_weights, batch * context * self.target_kv_token,
-                          batch * block)
+    def draft(self, batch, context, block) -> Cost:
+        """The draft's block pass over ``block`` positions and its logits for the block-1 drafts."""
+        return Cost(self.draft_layers.bytes + self.draft_head.bytes + batch * context * self.draft_kv_token,
+                    self.draft_layers.flops * batch * block + self.draft_head.flops * batch * (block - 1))
 
-    def draft(self, batch, context, block):
-        return self.floor(self.draft_weights, batch * context * self.draft_kv_token,
-                          batch * block)
+    def commit(self, batch, block) -> Cost:
+        """The committed block's context K/V for the draft (fc and the k/v projections)."""
+        return Cost(self.commit_weights.bytes, self.commit_weights.flops * batch * block)
 
-    def dflash_step(self, batch, context, block):
-        return self.floor(self.target_weights + self.draft_weights,
-                          batch * context * (self.target_kv_token + self.draft_kv_token),
-                          batch * block)
+    def dflash_step(self, batch, context, block) -> Cost:
+        return self.draft(batch, context, block) + self.verify(batch, context, block) + self.commit(batch, block)
+
+    def weight_bytes(self) -> dict:
+        return {"target_weights": self.target.bytes, "draft_block_pass_weights": self.draft_layers.bytes,
+                "lm_head_for_draft_logits": self.draft_head.bytes, "commit_weights": self.commit_weights.bytes}
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One timed chunk: wall seconds, loop steps run, and the tokens each row emitted per step
+    ([batch, steps], bonus included)."""
+
+    seconds: float
+    steps: int
+    accept_lengths: np.ndarray
+
+
+def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None) -> Chunk:
+    """Prefill the prepared prompts afresh (untimed; ``seed`` keys the replay's accept draws),
+    then time one chunk."""
+    state = jax.block_until_ready(prep.prefill(seed))
+    start = time.perf_counter()
+    state = jax.block_until_ready(prep.chunk(state, alpha))
+    seconds = time.perf_counter() - start
+    steps, taken, accepted = jax.device_get((state.iteration, state.steps, state.accept_lengths))
+    if not (taken == steps).all():
+        raise RuntimeError(f"a sequence finished inside a timed chunk ({taken.tolist()} of {steps} steps)")
+    return Chunk(seconds, int(steps), accepted[:, :steps])
+
+
+def mean_context(context: int, accept_lengths: np.ndarray) -> float:
+    """Mean committed context at the start of each step of chunks [rows, steps] that start at
+    ``context``."""
+    return context + float(np.mean(np.cumsum(accept_lengths, axis=1) - accept_lengths))
+
+
+def summarize_chunks(chunks: list[Chunk], context: int) -> dict:
+    """Median ms per step over the chunks; tau and mean context pooled over all of them."""
+    lengths = np.concatenate([chunk.accept_lengths for chunk in chunks])
+    return {"ms_per_step": statistics.median(chunk.seconds / chunk.steps for chunk in chunks) * 1e3,
+            "tau_measured": float(np.mean(lengths)), "mean_context": mean_context(context, lengths),
+            "steps": chunks[0].steps, "repeats": len(chunks)}
 
 
 def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, impl, steps_per_check):
-    """Median ms per step and tok/s of the real decode loop (chunks of ``steps`` steps)."""
-    prompts = rng.integers(0, target.config.vocab_size // 2, (batch, context)).tolist()
-    # One max_new_tokens for every block size: the prefill (and its compile) is then shared.
-    max_new = steps * (draft.config.block_size if draft else 1) * (repeats + 2) + 1
+    """Time the real decode loop (DFlash with ``draft``, plain decoding without) in chunks of
+    ``steps`` steps, per alpha: a warm-up chunk, then ``repeats`` timed ones, each from a fresh
+    prefill with its own replay seed (``summarize_chunks``; steps_per_check None: the default)."""
+    prompts = random_prompts(rng, batch, context, target.config.vocab_size)
+    # Every timed chunk starts from its prefill, so it needs steps x block tokens at most. One
+    # max_new_tokens for every block size: the prefill is then the same program.
+    max_new = steps * (draft.config.block_size if draft else 1) + 1
+    steps_per_check = steps_per_check or default_steps_per_check(steps)
     prep = prepare(target, prompts, draft=draft, block_size=block if draft else None,
                    max_new_tokens=max_new, chunk_steps=steps, steps_per_check=steps_per_check,
                    accept_replay=draft is not None, impl=impl)
+    new_seed = lambda: int(rng.integers(2 ** 31))  # noqa: E731
     results = {}
     for alpha in alphas:
-        state = None
-        state = prep.prefill()
-        state = jax.block_until_ready(prep.chunk(state, alpha))  # warm-up
-        times, tokens = [], []
-        for _ in range(repeats):
-            before = int(jnp.sum(state.num_generated))
-            start = time.perf_counter()
-            state = jax.block_until_ready(prep.chunk(state, alpha))
-            times.append(time.perf_counter() - start)
-            tokens.append(int(jnp.sum(state.num_generated)) - before)
-        seconds = statistics.median(times)
-        results[alpha] = {"ms_per_step": seconds / steps * 1e3,
-                          "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-                          "tokens_per_step": statistics.median(tokens) / steps / batch,
-                          "compile_s": prep.compile_seconds}
-        del state
+        time_chunk(prep, new_seed(), alpha)  # warm-up
+        results[alpha] = summarize_chunks([time_chunk(prep, new_seed(), alpha) for _ in range(repeats)], context)
+        results[alpha].update(steps_per_check=steps_per_check, compile_s=prep.compile_seconds)
     return results
+
+
+def baseline_row(run: dict, batch: int) -> dict:
+    """A plain-decode result with its tok/s (one token per step)."""
+    row = {key: value for key, value in run.items() if key != "tau_measured"}
+    row["tokens_per_s"] = tokens_per_second(batch, 1, run["ms_per_step"])
+    return row
+
+
+def e2e_row(run: dict, baseline: dict, batch: int, alpha: float, block: int) -> dict:
+    """A DFlash result with tok/s at the expected tau (unbiased for alpha) and at the measured
+    one, and the speedup over ``baseline`` (a ``baseline_row``), all from the same median step."""
+    tau = expected_tau(alpha, block)
+    tokens_per_s = tokens_per_second(batch, tau, run["ms_per_step"])
+    return {**run, "tau_expected": tau, "tokens_per_s": tokens_per_s,
+            "tokens_per_s_measured": tokens_per_second(batch, run["tau_measured"], run["ms_per_step"]),
+            "baseline_ms_per_step": baseline["ms_per_step"], "baseline_tokens_per_s": baseline["tokens_per_s"],
+            "speedup": tokens_per_s / baseline["tokens_per_s"]}
 
 
 def time_parts(target, draft, batch, context, block, iterations, repeats, rng, impl):
     """Draft, verify and commit alone, each as a dependent chain inside one jitted loop."""
-    prompts = rng.integers(0, target.config.vocab_size // 2, (batch, context)).tolist()
+    prompts = random_prompts(rng, batch, context, target.config.vocab_size)
     prep = prepare(target, prompts, draft=draft, block_size=block, max_new_tokens=block + 1,
                    chunk_steps=1, accept_replay=True, impl=impl)
     state = prep.prefill()
@@ -170,108 +264,142 @@ def time_parts(target, draft, batch, context, block, iterations, repeats, rng, i
     return {k: v / iterations * 1e3 for k, v in out.items()}
 
 
-def main():
+def load_reference(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict | None:
+    """bench_reference.py's JSON, checked, with what it is compared at: the reference's tok/s at
+    each alpha's expected tau, and the name of our cell it is compared with (which must be run)."""
+    if not args.reference_json:
+        return None
+    path = Path(args.reference_json)
+    if not path.is_file():
+        parser.error(f"--reference-json {path}: no such file (run bench_reference.py first)")
+    try:
+        reference = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        parser.error(f"--reference-json {path}: not valid JSON ({error})")
+    bad = [key for key in REFERENCE_KEYS if not isinstance(reference, dict) or not isinstance(
+        reference.get(key), (int, float)) or reference[key] <= 0]
+    if bad:
+        parser.error(f"--reference-json {path}: needs positive numbers {', '.join(bad)} (run bench_reference.py)")
+    reference.setdefault("context", 512)  # bench_reference.py's default; older JSONs did not say
+    context = reference["context"]
+    runs_cell = 1 in args.batches and REFERENCE_BLOCK in args.blocks and context in args.contexts
+    if "e2e" in args.skip or not runs_cell:
+        parser.error(f"--reference-json: the comparison cell (bs 1, block {REFERENCE_BLOCK}, ctx {context}) is not "
+                     f"run: it needs 1 in --batches, {REFERENCE_BLOCK} in --blocks, {context} in --contexts and "
+                     "e2e not skipped")
+    # At equal (expected) acceptance, ours over the reference is the ratio of step times.
+    reference["tokens_per_s_at"] = {str(a): expected_tau(a, REFERENCE_BLOCK) / reference["dflash_step_s"]
+                                    for a in args.alphas}
+    reference["compared_with"] = {str(a): f"bs1_ctx{context}_block{REFERENCE_BLOCK}_alpha{a}" for a in args.alphas}
+    return reference
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict | None]:
+    """The settings and the reference (``load_reference``), every value checked: a bad one is an
+    ``error:`` line before any device work."""
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--out", default="out")
+    parser.add_argument("--out", type=output_dir, default="out")
     parser.add_argument("--reference-json")
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--contexts", default="512,4096")
-    parser.add_argument("--blocks", default="4,8,16")
-    parser.add_argument("--alphas", default="0.86,0.68")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed chunk")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=positive_ints, default="1,8,32")
+    parser.add_argument("--contexts", type=positive_ints, default="512,4096")
+    parser.add_argument("--blocks", type=positive_ints, default="4,8,16")
+    parser.add_argument("--alphas", type=acceptance_rates, default="0.86,0.68", help="each in [0, 1)")
+    parser.add_argument("--steps", type=positive_int, default=16, help="DFlash steps per timed chunk "
+                        "(the baseline's chunks take twice as many)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed chunks per cell")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
-    parser.add_argument("--ceiling-mib", type=int, default=1024, help="buffer size for the bandwidth ceiling")
+    parser.add_argument("--ceiling-mib", type=positive_int, help="buffer size for the bandwidth ceiling "
+                        "(default: 1024, 8 at --shape tiny)")
     parser.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
-    parser.add_argument("--parts-batches", default="1,32")
+    parser.add_argument("--parts-batches", type=positive_ints, default="1,32")
     parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,parts,e2e")
-    parser.add_argument("--steps-per-check", type=int, default=None,
+    parser.add_argument("--skip", type=names_from(SECTIONS, allow_empty=True), default="",
+                        help=f"comma list of sections to skip: {','.join(SECTIONS)}")
+    parser.add_argument("--steps-per-check", type=positive_int, default=None,
                         help="decode steps between the loop's stop checks (must divide --steps; default: "
                         "decode.default_steps_per_check, what users get)")
-    parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
+    parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",
                         help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
-    args = parser.parse_args()
-    if args.reference_json and not Path(args.reference_json).is_file():
-        parser.error(f"--reference-json {args.reference_json}: no such file (run bench_reference.py first)")
+    args = parser.parse_args(argv)
+    check_block_sizes(parser, "--blocks", args.blocks, args.shape)
+    draft_block = SHAPES[args.shape][1].block_size
+    check_positions(parser, "--contexts", args.contexts, args.steps * draft_block + 1, args.shape)
+    # The DFlash chunks take --steps steps, the baseline's twice as many; parts runs no loop.
+    shortest_chunk = args.steps if "e2e" not in args.skip else 2 * args.steps if "decode" not in args.skip else 0
+    if args.steps_per_check and shortest_chunk % args.steps_per_check:
+        parser.error(f"--steps-per-check {args.steps_per_check} must divide the steps of every timed chunk "
+                     f"({shortest_chunk}: --steps for DFlash, twice that for the baseline)")
+    return args, load_reference(parser, args)
+
+
+def main(argv: list[str] | None = None):
+    args, reference = parse_args(argv)
     auto_kernels = override_auto_kernels(args.auto_kernels)
     # Identical programs (a prefill shared by several block sizes) compile once.
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    batches = [int(b) for b in args.batches.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
-    blocks = [int(b) for b in args.blocks.split(",")]
-    alphas = [float(a) for a in args.alphas.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    report["shape"], report["impl"], report["auto_kernels"] = args.shape, args.impl, auto_kernels
-    report["steps_per_check"] = args.steps_per_check
-    report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib)
+    report = run_record(args)
+    report.update(shape=args.shape, impl=args.impl, auto_kernels=auto_kernels, decode={}, parts={}, e2e={})
+    if reference:
+        report["reference"] = reference
+    save = functools.partial(write_json, args.out / "bench_e2e.json", report)
+    buffer_mib, matmul_size = CEILING_SIZES[args.shape]
+    report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib or buffer_mib, matmul_size)
     log("ceilings", ceilings)
     target, draft = random_models(args.shape)
     roof = Roofline(target, draft, ceilings)
-    report["bytes"] = {"target_weights": roof.target_weights, "draft_weights_with_lm_head": roof.draft_weights}
+    report["bytes"] = roof.weight_bytes()
+    save()
 
-    decode = report["decode"] = {}
-    if "decode" not in skip:
-        for batch in batches:
-            for context in contexts:
-                r = run_loop(target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng,
-                             args.impl, args.steps_per_check)[None]
-                r["roofline_ms"] = roof.decode(batch, context) * 1e3
-                r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
-                decode[f"bs{batch}_ctx{context}"] = r
-                log("decode", batch, context, r)
+    def baseline(batch, context):
+        run = run_loop(target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng, args.impl,
+                       args.steps_per_check)[None]
+        row = baseline_row(run, batch)
+        row["roofline_ms"] = roof.seconds(roof.verify(batch, context, 1)) * 1e3
+        row["fraction_of_roofline"] = row["roofline_ms"] / row["ms_per_step"]
+        return row
 
-    parts = report["parts"] = {}
-    if "parts" not in skip:
-        for batch in [int(b) for b in args.parts_batches.split(",")]:
-            r = time_parts(target, draft, batch, 512, 16, 8, args.repeats, rng, args.impl)
-            r["draft_roofline_ms"] = roof.draft(batch, 512, 16) * 1e3
-            r["verify_roofline_ms"] = roof.verify(batch, 512, 16) * 1e3
-            parts[f"bs{batch}_ctx512_block16"] = r
-            log("parts", batch, r)
+    decode = report["decode"]
+    if "decode" not in args.skip:
+        for batch in args.batches:
+            for context in args.contexts:
+                decode[f"bs{batch}_ctx{context}"] = row = baseline(batch, context)
+                save()
+                log("decode", batch, context, row)
 
-    e2e = report["e2e"] = {}
-    if "e2e" not in skip:
-        for batch in batches:
-            for context in contexts:
-                base = decode.get(f"bs{batch}_ctx{context}") or run_loop(
-                    target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng, args.impl,
-                    args.steps_per_check)[None]
-                for block in blocks:
-                    runs = run_loop(target, draft, batch, context, block, args.steps, alphas, args.repeats, rng,
-                                    args.impl, args.steps_per_check)
-                    for alpha, r in runs.items():
-                        r.update(expected_tau=tau(alpha, block), baseline_tokens_per_s=base["tokens_per_s"],
-                                 speedup=r["tokens_per_s"] / base["tokens_per_s"],
-                                 step_roofline_ms=roof.dflash_step(batch, context, block) * 1e3)
-                        r["step_fraction_of_roofline"] = r["step_roofline_ms"] / r["ms_per_step"]
-                        e2e[f"bs{batch}_ctx{context}_block{block}_alpha{alpha}"] = r
-                        log("e2e", batch, context, block, alpha, r)
+    if "parts" not in args.skip:
+        for batch in args.parts_batches:
+            row = time_parts(target, draft, batch, PARTS_CONTEXT, PARTS_BLOCK, 8, args.repeats, rng, args.impl)
+            for part, cost in (("draft", roof.draft(batch, PARTS_CONTEXT, PARTS_BLOCK)),
+                               ("verify", roof.verify(batch, PARTS_CONTEXT, PARTS_BLOCK)),
+                               ("commit", roof.commit(batch, PARTS_BLOCK))):
+                row[f"{part}_roofline_ms"] = roof.seconds(cost) * 1e3
+            report["parts"][f"bs{batch}_ctx{PARTS_CONTEXT}_block{PARTS_BLOCK}"] = row
+            save()
+            log("parts", batch, row)
 
-    if args.reference_json:
-        ref = json.loads(Path(args.reference_json).read_text())
-        ref.setdefault("context", 512)  # bench_reference.py's default; older JSONs did not say
-        # At the acceptance our replay realized (the expected tau where ours did not run), so the
-        # ratio of tok/s is the ratio of step times at equal acceptance.
-        ref["tokens_per_s_at"], ref["compared_with"] = {}, {}
-        for a in alphas:
-            key = ref["compared_with"][str(a)] = f"bs1_ctx{ref['context']}_block16_alpha{a}"
-            ours = e2e.get(key)
-            ref["tokens_per_s_at"][str(a)] = (ours["tokens_per_step"] if ours else tau(a, 16)) / ref["dflash_step_s"]
-        report["reference"] = ref
-    (out_dir / "bench_e2e.json").write_text(json.dumps(report, indent=2))
-    print_table(report, alphas)
+    if "e2e" not in args.skip:
+        for batch in args.batches:
+            for context in args.contexts:
+                base = decode.get(f"bs{batch}_ctx{context}") or baseline(batch, context)
+                for block in args.blocks:
+                    runs = run_loop(target, draft, batch, context, block, args.steps, args.alphas, args.repeats,
+                                    rng, args.impl, args.steps_per_check)
+                    for alpha, run in runs.items():
+                        row = e2e_row(run, base, batch, alpha, block)
+                        row["step_roofline_ms"] = roof.seconds(roof.dflash_step(batch, context, block)) * 1e3
+                        row["step_fraction_of_roofline"] = row["step_roofline_ms"] / row["ms_per_step"]
+                        report["e2e"][f"bs{batch}_ctx{context}_block{block}_alpha{alpha}"] = row
+                        log("e2e", batch, context, block, alpha, row)
+                    save()
+    print_table(report)
 
 
-def print_table(report, alphas):
+def print_table(report):
     c = report["ceilings"]
     print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | copy "
           f"{c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (" +
@@ -283,23 +411,27 @@ def print_table(report, alphas):
             print(f"  {name:<20} {r['ms_per_step']:8.2f} {r['roofline_ms']:11.2f} {r['fraction_of_roofline']:9.2f}"
                   f" {r['tokens_per_s']:7.0f}")
     if report["parts"]:
-        print("\nDFlash parts (ctx 512, block 16)  draft ms (floor)   verify ms (floor)   commit ms")
+        print(f"\nDFlash parts (ctx {PARTS_CONTEXT}, block {PARTS_BLOCK})  draft ms (floor)   verify ms (floor)"
+              "   commit ms (floor)")
         for name, r in report["parts"].items():
             print(f"  {name:<28} {r['draft_ms']:6.2f} ({r['draft_roofline_ms']:.2f})   "
-                  f"{r['verify_ms']:6.2f} ({r['verify_roofline_ms']:.2f})   {r['commit_ms']:6.2f}")
+                  f"{r['verify_ms']:6.2f} ({r['verify_roofline_ms']:.2f})   "
+                  f"{r['commit_ms']:6.2f} ({r['commit_roofline_ms']:.2f})")
     if report["e2e"]:
-        print("\nend to end                           tau   step ms (floor)  tok/s   baseline  speedup")
+        print("\nend to end (tok/s and speedup at the expected tau)\n"
+              "                                     step ms (floor)  tau exp  tau meas   tok/s  baseline  speedup")
         for name, r in report["e2e"].items():
-            print(f"  {name:<34} {r['tokens_per_step']:5.2f} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f})"
-                  f" {r['tokens_per_s']:7.0f} {r['baseline_tokens_per_s']:8.0f} {r['speedup']:7.2f}x")
+            print(f"  {name:<34} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f}) {r['tau_expected']:8.2f}"
+                  f" {r['tau_measured']:9.2f} {r['tokens_per_s']:7.0f} {r['baseline_tokens_per_s']:9.0f}"
+                  f" {r['speedup']:7.2f}x")
     ref = report.get("reference")
     if ref:
-        print(f"\nreference (dflash {ref['torch']}): decode {ref['decode_step_s'] * 1e3:.2f} ms, DFlash step "
-              f"{ref['dflash_step_s'] * 1e3:.2f} ms, tok/s at alpha " +
-              ", ".join(f"{a}: {v:.0f}" for a, v in ref["tokens_per_s_at"].items()))
-        ours = {a: report["e2e"].get(ref["compared_with"][str(a)], {}).get("tokens_per_s") for a in alphas}
-        print(f"ours / reference at bs 1, ctx {ref['context']}, block 16, same tau: " + ", ".join(
-            f"alpha {a}: {ours[a] / ref['tokens_per_s_at'][str(a)]:.1f}x" for a in alphas if ours[a]))
+        print(f"\nreference (dflash {ref.get('dflash', '?')}, torch {ref.get('torch', '?')}): decode "
+              f"{ref['decode_step_s'] * 1e3:.2f} ms, DFlash step {ref['dflash_step_s'] * 1e3:.2f} ms, tok/s at the "
+              "expected tau of alpha " + ", ".join(f"{a}: {v:.0f}" for a, v in ref["tokens_per_s_at"].items()))
+        ours = {a: report["e2e"][cell]["tokens_per_s"] for a, cell in ref["compared_with"].items()}
+        print(f"ours / reference at bs 1, ctx {ref['context']}, block {REFERENCE_BLOCK}, same tau: " + ", ".join(
+            f"alpha {a}: {ours[a] / ref['tokens_per_s_at'][a]:.1f}x" for a in ours))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import numpy as np
 import pallas_kernels as pk
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, output_dir, positive_ints, run_record, write_json  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, BLOCK = 32, 8, 128, 16, 16
 MAX_CTX = 32768
@@ -304,27 +304,26 @@ def explore(cache: Cache, log, profile: bool = False) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--out", type=output_dir, default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--explore", action="store_true", help="also time tuning variants")
     parser.add_argument("--profile", action="store_true",
                         help="also split the per-call time of a few cases by kernel (profiler)")
     parser.add_argument("--skip-table", action="store_true")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
+    parser.add_argument("--batches", type=positive_ints, default=",".join(map(str, BATCHES)),
+                        help="comma-separated batch sizes")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": [], "explore": [],
-               "profile": []}
-    path = os.path.join(args.out, "bench_kernels.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_record(args)
+    results.update(rows=[], explore=[], profile=[])
+    path = args.out / "bench_kernels.json"
 
     def log(row):
         print(json.dumps(row), flush=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(path, results)
 
     results["copy"] = copy_bandwidth()
     log(results["copy"])
-    for batch in map(int, args.batches.split(",")):
+    for batch in args.batches:
         cache = Cache(batch)
         if args.explore:
             results["explore"] += explore(cache, log, profile=args.profile)

@@ -7,7 +7,8 @@ the copy bandwidth measured in the same run, three ways: q/k/v and gate/up as se
 through XLA; and fused, through ``pallas_kernels.fused_matmul`` (norm, gate and residual inside
 the projection).
 ``--passes kernel:o+down`` runs only the named projections through the kernel. (Timing single
-projections in isolation misleads: XLA merges products that share a weight.)
+projections in isolation misleads: XLA merges products that share a weight.) ``--shape tiny``
+is a CPU smoke test (the kernel interpreted). matmul.json is rewritten after every pass.
 
     PYTHONPATH=. python3 benchmarks/bench_matmul.py --out $OUT [--passes fused,kernel,kernel:o]
 """
@@ -15,6 +16,7 @@ projections in isolation misleads: XLA merges products that share a weight.)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,43 +25,82 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, median_seconds  # noqa: E402
+from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
+                    output_dir, positive_ints, run_record, write_json)
 
-from pallas_kernels.fused_matmul import fused_matmul, fused_matmul_reference  # noqa: E402
+from dflash_jax.config import ModelConfig  # noqa: E402
+from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference  # noqa: E402
 from pallas_kernels.norm_rope import rms_norm  # noqa: E402
 
-H, I, Q, KV, LAYERS = 4096, 12288, 4096, 1024, 36
 DTYPE = jnp.bfloat16
-
-
-def layer_weights(key, fused: bool) -> dict:
-    k = jax.random.split(key, 7)
-    normal = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(DTYPE)  # noqa: E731
-    if fused:
-        return {"qkv": normal(k[0], (H, Q + 2 * KV)), "o": normal(k[1], (Q, H)),
-                "gate_up": normal(k[2], (H, 2 * I)), "down": normal(k[3], (I, H))}
-    return {"q": normal(k[0], (H, Q)), "k": normal(k[4], (H, KV)), "v": normal(k[5], (H, KV)),
-            "o": normal(k[1], (Q, H)), "gate": normal(k[2], (H, I)), "up": normal(k[6], (H, I)),
-            "down": normal(k[3], (I, H))}
-
-
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-def layers_pass(mode: str, tuning: dict):
+def layer_weights(key, fused: bool, config: ModelConfig) -> dict:
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    k = jax.random.split(key, 7)
+    normal = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(DTYPE)  # noqa: E731
+    if fused:
+        return {"qkv": normal(k[0], (h, q + 2 * kv)), "o": normal(k[1], (q, h)),
+                "gate_up": normal(k[2], (h, 2 * i)), "down": normal(k[3], (i, h))}
+    return {"q": normal(k[0], (h, q)), "k": normal(k[4], (h, kv)), "v": normal(k[5], (h, kv)),
+            "o": normal(k[1], (q, h)), "gate": normal(k[2], (h, i)), "up": normal(k[6], (h, i)),
+            "down": normal(k[3], (i, h))}
+
+
+def kernel_projections(mode: str) -> set[str]:
+    """The projections ``mode`` runs through the kernel: all for ``kernel``, the named ones for
+    ``kernel:NAME+NAME``, none for ``separate`` and ``fused``; raises ValueError on any other mode."""
+    if mode in ("separate", "fused"):
+        return set()
+    if mode == "kernel":
+        return set(PROJECTIONS)
+    names = set(mode.partition(":")[2].split("+")) - {""}
+    if not mode.startswith("kernel:") or not names or not names <= set(PROJECTIONS):
+        raise ValueError(f"unknown pass {mode!r}: separate, fused, kernel or kernel:NAME+NAME of "
+                         f"{', '.join(PROJECTIONS)}")
+    return names
+
+
+def pass_modes(text: str) -> list[str]:
+    """argparse type: a comma list of ``layers_pass`` modes."""
+    modes = text.split(",")
+    for mode in modes:
+        try:
+            kernel_projections(mode)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return modes
+
+
+def tunings(text: str) -> list[dict]:
+    """argparse type: ';'-separated JSON objects of ``fused_matmul`` tuning keywords."""
+    result = []
+    for item in text.split(";"):
+        try:
+            tuning = json.loads(item)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"{item!r} is not valid JSON ({error})") from None
+        if not isinstance(tuning, dict) or not set(tuning) <= set(TUNING_ARGS):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected an object of {', '.join(TUNING_ARGS)}")
+        result.append(tuning)
+    return result
+
+
+def layers_pass(mode: str, tuning: dict, config: ModelConfig):
     """All layers' projections with their glue; attention's output is replaced by q (k and v are
     reduced into it with weight 0 so that they are computed). ``mode``: separate | fused | kernel
     (every projection through ``fused_matmul``) | kernel:NAME+NAME (those of qkv, o, gate_up,
-    down through the kernel, the rest as in ``fused``)."""
-    ones = jnp.ones((H,), DTYPE)
-    kernel_for = set(PROJECTIONS) if mode == "kernel" else set(mode.partition(":")[2].split("+")) - {""}
-    if mode not in ("separate", "fused", "kernel") and (not mode.startswith("kernel:") or
-                                                       not kernel_for <= set(PROJECTIONS)):
-        raise ValueError(f"unknown pass {mode!r}: separate, fused, kernel or kernel:NAME+NAME of {PROJECTIONS}")
+    down through the kernel, the rest as in ``fused``). Off a GPU the kernel runs interpreted."""
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    ones = jnp.ones((config.hidden_size,), DTYPE)
+    kernel_for = kernel_projections(mode)
+    interpret = jax.default_backend() != "gpu"
 
     def project(name, x, w, **kw):
         if name in kernel_for:
-            return fused_matmul(x, w, **kw, **tuning)
+            return fused_matmul(x, w, **kw, **tuning, interpret=interpret)
         return fused_matmul_reference(x, w, **kw)
 
     def run(x, layers):
@@ -71,7 +112,7 @@ def layers_pass(mode: str, tuning: dict):
                 h = rms_norm(x, ones, 1e-6)
                 x = x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
                 continue
-            q, k, v = jnp.split(project("qkv", x, w["qkv"], norm_weight=ones), [Q, Q + KV], axis=-1)
+            q, k, v = jnp.split(project("qkv", x, w["qkv"], norm_weight=ones), [q_width, q_width + kv_width], axis=-1)
             x = project("o", q + (k.sum() + v.sum()).astype(DTYPE) * 0, w["o"], residual=x)
             h = project("gate_up", x, w["gate_up"], norm_weight=ones, gated=True)
             x = project("down", h, w["down"], residual=x)
@@ -79,14 +120,14 @@ def layers_pass(mode: str, tuning: dict):
     return jax.jit(run)
 
 
-def time_layers(mode: str, rows: list[int], bandwidth: float, tuning: dict) -> list[dict]:
-    layers = [layer_weights(jax.random.key(i), mode != "separate") for i in range(LAYERS)]
+def time_layers(mode: str, rows: list[int], bandwidth: float, tuning: dict, config: ModelConfig) -> list[dict]:
+    run = layers_pass(mode, tuning, config)
+    layers = [layer_weights(jax.random.key(i), mode != "separate", config) for i in range(config.num_layers)]
     jax.block_until_ready(layers)
     weight_bytes = sum(x.size * x.dtype.itemsize for layer in layers for x in layer.values())
-    run = layers_pass(mode, tuning)
     entries = []
     for m in rows:
-        x = jax.random.normal(jax.random.key(3), (m, H), DTYPE)
+        x = jax.random.normal(jax.random.key(3), (m, config.hidden_size), DTYPE)
         seconds = median_seconds(lambda: run(x, layers).block_until_ready(), 7)
         entry = {"weights": mode, "tuning": tuning, "m": m, "ms": seconds * 1e3, "floor_ms": weight_bytes / bandwidth * 1e3}
         entries.append(entry)
@@ -95,25 +136,28 @@ def time_layers(mode: str, rows: list[int], bandwidth: float, tuning: dict) -> l
     return entries
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="out")
-    parser.add_argument("--rows", default="1,8,16")
-    parser.add_argument("--passes", default="separate,fused,kernel", help="whole-pass modes to time")
-    parser.add_argument("--tunings", default="{}", help="';'-separated JSON keyword sets for the kernel "
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--out", type=output_dir, default="out")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
+    parser.add_argument("--rows", type=positive_ints, default="1,8,16")
+    parser.add_argument("--passes", type=pass_modes, default="separate,fused,kernel", help="whole-pass modes to time")
+    parser.add_argument("--tunings", type=tunings, default="{}", help="';'-separated JSON keyword sets for the kernel "
                         "passes (e.g. '{};{\"block_k\": 64}'), each timed")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    copies = copy_bandwidth()
-    bw = copies.get("torch_copy_GBps", copies["xla_elementwise_GBps"]) * 1e9
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "copies_GBps": copies, "runs": []}
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = SHAPES[args.shape][0]
+    copies = copy_bandwidth(CEILING_SIZES[args.shape][0])
+    bw = copy_ceiling_bytes_per_s(copies)
+    report = run_record(args)
+    report.update(copies_GBps=copies, runs=[])
+    save = functools.partial(write_json, args.out / "matmul.json", report)
+    save()
     print(f"{report['device']}, jax {jax.__version__}, copy {bw / 1e9:.0f} GB/s", flush=True)
-    rows = [int(r) for r in args.rows.split(",")]
-    for mode in filter(None, args.passes.split(",")):
-        for tuning in ([json.loads(t) for t in args.tunings.split(";")] if mode.startswith("kernel") else [{}]):
-            report["runs"] += time_layers(mode, rows, bw, tuning)
-    (out / "matmul.json").write_text(json.dumps(report, indent=2))
+    for mode in args.passes:
+        for tuning in args.tunings if mode.startswith("kernel") else [{}]:
+            report["runs"] += time_layers(mode, args.rows, bw, tuning, config)
+            save()
 
 
 if __name__ == "__main__":

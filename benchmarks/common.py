@@ -1,13 +1,22 @@
-"""Shared pieces of the GPU benchmarks: Qwen3-8B-shaped configs, ceilings, timing."""
+"""Shared pieces of the GPU benchmarks: Qwen3-8B-shaped configs, argument checks, ceilings,
+timing and the run record every JSON output starts with."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
+import shlex
 import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.config import DraftConfig, ModelConfig
 from dflash_jax.models import Draft, Target
@@ -19,19 +28,141 @@ QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12
 DFLASH_DRAFT_8B = DraftConfig(model=dataclasses.replace(QWEN3_8B, num_layers=5, layer_types=()),
                               block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33),
                               num_target_layers=36)
+# CPU smoke-test shape: same structure, minutes -> seconds.
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
+TINY_DRAFT = DraftConfig(model=dataclasses.replace(TINY, num_layers=2, layer_types=()), block_size=16,
+                         mask_token_id=511, target_layer_ids=(1, 2), num_target_layers=4)
+SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "tiny": (TINY, TINY_DRAFT)}
+# Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
+# enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
+CEILING_SIZES = {"qwen3-8b": (1024, 8192), "tiny": (8, 512)}
 
 
-def override_auto_kernels(spec: str) -> dict:
-    """Apply ``op=on,op=off,...`` to ``attention.AUTO_KERNELS`` (what impl="auto" runs as a
-    kernel) for this process, for A/B runs; returns the table in force."""
+# ----------------------------------------------------------------------------- argument checks
+# argparse types: a bad value is one ``error:`` line from argparse, before any device work.
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",")]
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list with no empty items")
+    return items
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma list of integers >= 1, e.g. ``1,8,32``."""
+    return [positive_int(item) for item in _items(text)]
+
+
+def acceptance_rate(text: str) -> float:
+    """A replayed acceptance probability alpha in [0, 1) (expected tau is finite only below 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"alpha must be in [0, 1), got {value}")
+    return value
+
+
+def acceptance_rates(text: str) -> list[float]:
+    """A comma list of ``acceptance_rate`` values."""
+    return [acceptance_rate(item) for item in _items(text)]
+
+
+def names_from(choices: Sequence[str], *, allow_empty: bool = False) -> Callable[[str], list[str]]:
+    """A type for a comma list of names out of ``choices`` (empty only with ``allow_empty``)."""
+    def names(text: str) -> list[str]:
+        if not text and allow_empty:
+            return []
+        items = _items(text)
+        unknown = [name for name in items if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; expected names of {', '.join(choices)}")
+        return items
+    return names
+
+
+def output_dir(text: str) -> Path:
+    """A folder to write results into: it may not exist yet (it is made after every check), but
+    it may not be a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    return path
+
+
+def auto_kernel_overrides(text: str) -> dict[str, bool]:
+    """``OP=on|off,...`` for ``attention.AUTO_KERNELS`` (what impl="auto" runs as a kernel)."""
     from dflash_jax import attention
-    for item in filter(None, spec.split(",")):
+    overrides = {}
+    for item in filter(None, text.split(",")):
         op, _, value = item.partition("=")
         if op not in attention.AUTO_KERNELS or value not in ("on", "off"):
-            raise SystemExit(f"--auto-kernels {item!r}: expected OP=on|off, OP one of {sorted(attention.AUTO_KERNELS)}")
-        attention.AUTO_KERNELS[op] = value == "on"
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected OP=on|off, OP one of {', '.join(sorted(attention.AUTO_KERNELS))}")
+        overrides[op] = value == "on"
+    return overrides
+
+
+def check_block_sizes(parser: argparse.ArgumentParser, flag: str, blocks: Sequence[int], shape: str) -> None:
+    """DFlash blocks must be in [2, the draft's trained block size]."""
+    limit = SHAPES[shape][1].block_size
+    for block in blocks:
+        if not 2 <= block <= limit:
+            parser.error(f"{flag}: block {block} must be in [2, {limit}] (the draft's trained block size)")
+
+
+def check_positions(parser: argparse.ArgumentParser, flag: str, contexts: Sequence[int], new_tokens: int,
+                    shape: str) -> None:
+    """Every prompt plus the tokens a run generates must fit the model's positions."""
+    limit = SHAPES[shape][0].max_position_embeddings
+    if max(contexts) + new_tokens > limit:
+        parser.error(f"{flag}: context {max(contexts)} + {new_tokens} generated tokens exceeds the "
+                     f"model's {limit} positions")
+
+
+# ----------------------------------------------------------------------------- records and output
+
+def run_record(args: argparse.Namespace) -> dict:
+    """What every JSON output starts with: device, jax version, date, command line and settings."""
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(sys.argv),
+            "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` whole or not at all (scripts rewrite their JSON after every measurement, so
+    a late failure keeps what was measured)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2))
+    os.replace(partial, path)
+
+
+def override_auto_kernels(overrides: dict[str, bool]) -> dict:
+    """Apply ``auto_kernel_overrides`` to ``attention.AUTO_KERNELS`` for this process (A/B runs);
+    returns the table in force."""
+    from dflash_jax import attention
+    attention.AUTO_KERNELS.update(overrides)
     return dict(attention.AUTO_KERNELS)
 
+
+# ----------------------------------------------------------------------------- measurement
 
 def median_seconds(run, repeats: int) -> float:
     """Median wall time of ``run()`` (which must block until its device work is done)."""
@@ -80,27 +211,26 @@ def copy_bandwidth(buffer_mib: int = 1024, repeats: int = 5) -> dict:
     return result
 
 
-def measure_ceilings(buffer_mib: int = 1024, repeats: int = 5) -> dict:
-    """Copy bandwidth (``copy_bandwidth``; torch's copy where present) and the bf16 matmul rate
-    of a chain of square products timed inside one jit."""
+def copy_ceiling_bytes_per_s(copies: dict) -> float:
+    """The ceiling ``copy_bandwidth`` measured: torch's copy where present, else XLA's pass."""
+    return copies.get("torch_copy_GBps", copies["xla_elementwise_GBps"]) * 1e9
+
+
+def measure_ceilings(buffer_mib: int, matmul_size: int, repeats: int = 5) -> dict:
+    """Copy bandwidth (``copy_bandwidth``) and the bf16 matmul rate of a chain of
+    ``matmul_size``-square products timed inside one jit."""
     copies = copy_bandwidth(buffer_mib, repeats)
-    bandwidth = copies.get("torch_copy_GBps", copies["xla_elementwise_GBps"]) * 1e9
-    size, chain = (8192, 10) if buffer_mib >= 1024 else (512, 10)
-    a = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
-    b = (jax.random.normal(jax.random.key(2), (size, size)) / size ** 0.5).astype(jnp.bfloat16)
+    chain = 10
+    a = jax.random.normal(jax.random.key(1), (matmul_size, matmul_size), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(2), (matmul_size, matmul_size)) / matmul_size ** 0.5).astype(jnp.bfloat16)
     matmuls = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda i, y: y @ b, a))
     seconds = median_seconds(lambda: matmuls(a, b).block_until_ready(), repeats)
-    return {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": chain * 2 * size ** 3 / seconds,
-            "copies_GBps": copies}
+    return {"bandwidth_bytes_per_s": copy_ceiling_bytes_per_s(copies),
+            "matmul_flops_per_s": chain * 2 * matmul_size ** 3 / seconds, "matmul_size": matmul_size,
+            "copy_buffer_mib": buffer_mib, "copies_GBps": copies}
 
 
-# CPU smoke-test shape: same structure, minutes -> seconds.
-TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
-TINY_DRAFT = DraftConfig(model=dataclasses.replace(TINY, num_layers=2, layer_types=()), block_size=16,
-                         mask_token_id=511, target_layer_ids=(1, 2), num_target_layers=4)
-SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "tiny": (TINY, TINY_DRAFT)}
-
+# ----------------------------------------------------------------------------- models and inputs
 
 def random_models(shape: str) -> tuple[Target, Draft]:
     """A bf16 target and draft of ``SHAPES[shape]`` with random weights (speed does not depend
@@ -111,3 +241,9 @@ def random_models(shape: str) -> tuple[Target, Draft]:
     draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
         draft_config, jax.random.key(1), jnp.bfloat16))
     return target, draft
+
+
+def random_prompts(rng: np.random.Generator, batch: int, context: int, vocab_size: int) -> list[list[int]]:
+    """``batch`` prompts of ``context`` token ids from the lower half of the vocabulary (clear of
+    special ids such as the draft's mask token at the top)."""
+    return rng.integers(0, vocab_size // 2, (batch, context)).tolist()

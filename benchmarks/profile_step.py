@@ -1,8 +1,10 @@
 """Where the milliseconds of a decode chunk go: per-kernel GPU time from a JAX profiler trace.
 
 Builds the benchmark's model (random weights), runs one chunk of plain decode and one of DFlash
-(acceptance replayed) under ``jax.profiler``, and summarizes the Perfetto trace: GPU busy time
-vs wall time (launch gaps) and the top kernels by total time.
+(acceptance replayed), each from a fresh prefill of the ``--context``-token prompts after an
+untimed warm-up chunk, under ``jax.profiler``, and summarizes the Perfetto trace: GPU busy time
+vs wall time (launch gaps) and the top kernels by total time. Each run traces into a new folder
+under ``--out`` and reads only that one; profile.json is rewritten after every mode.
 
     PYTHONPATH=. python3 benchmarks/profile_step.py --out $OUT
 """
@@ -11,23 +13,35 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, override_auto_kernels, random_models  # noqa: E402
+from common import (SHAPES, acceptance_rate, auto_kernel_overrides, check_block_sizes, check_positions,  # noqa: E402
+                    names_from, output_dir, override_auto_kernels, positive_int, random_models, random_prompts,
+                    run_record, write_json)
 
+from dflash_jax.attention import IMPLS  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
 
 
+MODES = ("decode", "dflash")
+
+
 def kernel_events(trace_dir: Path) -> list[dict]:
-    """Complete events on GPU stream tracks of the Perfetto trace JAX wrote."""
-    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    """Complete events on GPU stream tracks of the one Perfetto trace JAX wrote into ``trace_dir``."""
+    paths = list(trace_dir.rglob("perfetto_trace.json.gz"))
+    if len(paths) != 1:
+        raise RuntimeError(f"expected one Perfetto trace in {trace_dir}, found {len(paths)}")
+    path = paths[0]
     trace = json.loads(gzip.decompress(path.read_bytes()))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {(e.get("pid"), e.get("tid")): e["args"].get("name", "") for e in events
@@ -71,49 +85,63 @@ def summarize(events: list[dict], top: int, sequence_len: int) -> dict:
             "sequence": sequence}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="out")
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--impl", default="auto")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--modes", default="decode,dflash")
-    parser.add_argument("--block", type=int, default=16, help="DFlash block size")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The settings, every value checked before any device work."""
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--out", type=output_dir, default="out")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
+    parser.add_argument("--impl", default="auto", choices=IMPLS)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--context", type=positive_int, default=512)
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--top", type=positive_int, default=25)
+    parser.add_argument("--modes", type=names_from(MODES), default=",".join(MODES))
+    parser.add_argument("--block", type=positive_int, default=16, help="DFlash block size")
+    parser.add_argument("--alpha", type=acceptance_rate, default=0.86, help="DFlash replayed acceptance, in [0, 1)")
     parser.add_argument("--sequence", type=int, default=0, help="print this many kernels in time order")
-    parser.add_argument("--auto-kernels", default="", metavar="OP=on|off,...",
+    parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",
                         help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_block_sizes(parser, "--block", [args.block], args.shape)
+    check_positions(parser, "--context", [args.context], args.steps * args.block + 1, args.shape)
+    return args
+
+
+def main(argv: list[str] | None = None):
+    args = parse_args(argv)
     override_auto_kernels(args.auto_kernels)
-    out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
     target, draft = random_models(args.shape)
-    prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
-    report = {}
-    for name, use_draft in (("decode", None), ("dflash", draft)):
-        if name not in args.modes.split(","):
-            continue
-        prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * 40, chunk_steps=args.steps,
-                       block_size=args.block if use_draft is not None else None,
+    prompts = random_prompts(np.random.default_rng(0), args.batch, args.context, target.config.vocab_size)
+    report = run_record(args)
+    save = functools.partial(write_json, args.out / "profile.json", report)
+    for name in args.modes:
+        use_draft = draft if name == "dflash" else None
+        # Every chunk starts from a fresh prefill, so it generates at most steps x block tokens.
+        block = args.block if use_draft else 1
+        prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * block + 1,
+                       chunk_steps=args.steps, block_size=block if use_draft else None,
                        accept_replay=use_draft is not None, impl=args.impl)
-        alpha = 0.86 if use_draft else None
-        state = jax.block_until_ready(prep.chunk(prep.prefill(), alpha))
-        trace_dir = out / f"trace_{name}"
+        alpha = args.alpha if use_draft else None
+        jax.block_until_ready(prep.chunk(prep.prefill(), alpha))  # warm-up
+        state = jax.block_until_ready(prep.prefill(seed=1))
+        trace_dir = Path(tempfile.mkdtemp(prefix=f"trace_{name}_", dir=args.out))
         jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
         start = time.perf_counter()
         state = jax.block_until_ready(prep.chunk(state, alpha))
         wall = time.perf_counter() - start
         jax.profiler.stop_trace()
+        del state
         summary = summarize(kernel_events(trace_dir), args.top, args.sequence)
+        summary["trace_dir"] = str(trace_dir)
         summary["wall_ms_per_step"] = wall / args.steps * 1e3
         for key in ("busy_ms", "span_ms", "idle_ms", "idle_over_20us_ms"):
             if key in summary:
                 summary[key.replace("_ms", "_ms_per_step")] = summary.pop(key) / args.steps
         report[name] = summary
-        del state
-    (out / "profile.json").write_text(json.dumps(report, indent=2))
-    for name, s in report.items():
+        save()
+    for name in args.modes:
+        s = report[name]
         print(f"\n== {name}: wall {s['wall_ms_per_step']:.2f} ms/step, GPU busy {s.get('busy_ms_per_step', 0):.2f}, "
               f"span {s.get('span_ms_per_step', 0):.2f}, idle {s.get('idle_ms_per_step', 0):.2f} "
               f"({s.get('idle_over_20us_ms_per_step', 0):.2f} in gaps > 20 us), "

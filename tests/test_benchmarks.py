@@ -1,42 +1,60 @@
 """The GPU benchmark's logic on CPU at a tiny shape: it runs only on lent GPUs otherwise, so a
-broken code path would first show there. Timings here mean nothing; the report's structure does."""
+broken code path would first show there. Timings here mean nothing; the report's structure, the
+arithmetic and the argument checks do."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ab_kernels  # noqa: E402
+import bench_e2e  # noqa: E402
+import bench_matmul  # noqa: E402
+import profile_step  # noqa: E402
 
 
 def run_bench_e2e(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--shape", "tiny",
                            "--out", str(tmp_path / "out"), "--compile-cache", str(tmp_path / "cache"),
-                           "--ceiling-mib", "8", "--repeats", "1", "--steps", "4", *args],
+                           "--repeats", "2", "--steps", "4", *args],
                           env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_bench_e2e_reports_every_context_against_its_own_baseline(tmp_path):
     reference = tmp_path / "reference.json"
-    reference.write_text(json.dumps({"torch": "fake", "context": 48, "decode_step_s": 0.02,
-                                     "dflash_step_s": 0.03}))
+    reference.write_text(json.dumps({"torch": "fake-torch", "dflash": "fake-dflash", "context": 48,
+                                     "decode_step_s": 0.02, "dflash_step_s": 0.03}))
     done = run_bench_e2e(tmp_path, "--batches", "1", "--contexts", "16,48", "--blocks", "16",
                          "--alphas", "0.86", "--parts-batches", "1", "--reference-json", str(reference))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())
+    assert report["command"] and report["settings"]["steps"] == 4 and report["jax"] and report["device"]
     assert set(report["decode"]) == {"bs1_ctx16", "bs1_ctx48"}
     assert set(report["parts"]) == {"bs1_ctx512_block16"}
     assert set(report["e2e"]) == {"bs1_ctx16_block16_alpha0.86", "bs1_ctx48_block16_alpha0.86"}
     for context in (16, 48):
+        base = report["decode"][f"bs1_ctx{context}"]
+        assert base["steps_per_check"] == 4 and base["steps"] == 8
+        assert base["mean_context"] == context + 3.5  # 8 one-token steps from the prompt's end
         run = report["e2e"][f"bs1_ctx{context}_block16_alpha0.86"]
-        assert run["baseline_tokens_per_s"] == report["decode"][f"bs1_ctx{context}"]["tokens_per_s"]
-        assert 1 <= run["tokens_per_step"] <= 16
-    # Ours is compared with the reference at its context, at the acceptance our replay realized.
-    ours = report["e2e"]["bs1_ctx48_block16_alpha0.86"]
+        assert run["baseline_tokens_per_s"] == base["tokens_per_s"]
+        assert 1 <= run["tau_measured"] <= 16 and run["steps_per_check"] == 4
+        assert context <= run["mean_context"] < context + 4 * 16  # each chunk starts at the context
+        assert math.isclose(run["tokens_per_s"], run["tau_expected"] / (run["ms_per_step"] / 1e3))
+    # Ours is compared with the reference at its context, both at the expected tau.
     assert report["reference"]["compared_with"] == {"0.86": "bs1_ctx48_block16_alpha0.86"}
-    assert abs(report["reference"]["tokens_per_s_at"]["0.86"] - ours["tokens_per_step"] / 0.03) < 1e-9
+    assert math.isclose(report["reference"]["tokens_per_s_at"]["0.86"], bench_e2e.expected_tau(0.86, 16) / 0.03)
+    assert "reference (dflash fake-dflash, torch fake-torch)" in done.stdout
     assert "ours / reference at bs 1, ctx 48, block 16" in done.stdout
 
 
@@ -45,6 +63,112 @@ def test_bench_e2e_rejects_a_missing_reference_json_before_running(tmp_path):
     assert done.returncode == 2
     assert "no such file" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def parse_error(capsys, parse, argv) -> str:
+    """The ``error:`` line a script's argument parser prints for ``argv`` (it must exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--alphas", "1.0"], "alpha must be in [0, 1)"),
+    (["--alphas", "-0.1"], "alpha must be in [0, 1)"),
+    (["--alphas", ""], "no empty items"),
+    (["--batches", "1,"], "no empty items"),
+    (["--batches", "0"], "must be >= 1"),
+    (["--contexts", "x"], "is not an integer"),
+    (["--blocks", "1"], "block 1 must be in [2, 16]"),
+    (["--blocks", "32"], "block 32 must be in [2, 16]"),
+    (["--repeats", "0"], "must be >= 1"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--skip", "decode,e2ee"], "unknown e2ee"),
+    (["--steps", "16", "--steps-per-check", "32"], "must divide the steps of every timed chunk (16"),
+    (["--steps", "16", "--steps-per-check", "3", "--skip", "e2e"], "every timed chunk (32"),
+    (["--contexts", "40900"], "exceeds the model's 40960 positions"),
+    (["--auto-kernels", "nope=on"], "expected OP=on|off"),
+])
+def test_bench_e2e_rejects_bad_settings_when_parsing(capsys, argv, message):
+    line = parse_error(capsys, bench_e2e.parse_args, ["--shape", "tiny", *argv])
+    assert "error:" in line and message in line
+
+
+def test_bench_e2e_accepts_steps_per_check_that_divides_only_the_chunks_it_runs():
+    args, _ = bench_e2e.parse_args(["--steps", "16", "--steps-per-check", "32", "--skip", "e2e"])
+    assert args.steps_per_check == 32
+
+
+def test_bench_e2e_rejects_an_output_path_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "taken").write_text("")
+    assert "is not a folder" in parse_error(capsys, bench_e2e.parse_args, ["--out", str(tmp_path / "taken")])
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ("{", [], "not valid JSON"),
+    (json.dumps({"torch": "x", "dflash_step_s": 0.03}), [], "needs positive numbers decode_step_s"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0}), [], "needs positive numbers dflash_step_s"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03, "context": 4096}), ["--contexts", "512"],
+     "comparison cell (bs 1, block 16, ctx 4096) is not run"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--blocks", "8"], "is not run"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--batches", "8"], "is not run"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--skip", "e2e"], "is not run"),
+])
+def test_bench_e2e_checks_the_reference_json_when_parsing(capsys, tmp_path, content, extra, message):
+    path = tmp_path / "reference.json"
+    path.write_text(content)
+    assert message in parse_error(capsys, bench_e2e.parse_args, ["--reference-json", str(path), *extra])
+
+
+def test_expected_tau_and_the_figures_of_one_row_agree():
+    assert bench_e2e.expected_tau(0.0, 16) == 1.0
+    assert math.isclose(bench_e2e.expected_tau(0.5, 2), 1.5)
+    assert math.isclose(bench_e2e.expected_tau(0.86, 16), sum(0.86 ** k for k in range(16)))
+    base = bench_e2e.baseline_row({"ms_per_step": 4.0, "tau_measured": 1.0, "mean_context": 515.5}, batch=8)
+    assert "tau_measured" not in base and math.isclose(base["tokens_per_s"], 2000)
+    row = bench_e2e.e2e_row({"ms_per_step": 5.0, "tau_measured": 6.0}, base, batch=8, alpha=0.5, block=4)
+    assert math.isclose(row["tau_expected"], 1.875)
+    assert math.isclose(row["tokens_per_s"], 8 * 1.875 / 0.005)  # batch x expected tau / median step
+    assert math.isclose(row["tokens_per_s_measured"], 8 * 6.0 / 0.005)
+    assert math.isclose(row["speedup"], row["tokens_per_s"] / 2000)
+
+
+def test_chunks_give_the_median_step_and_pool_tau_and_context():
+    chunks = [bench_e2e.Chunk(0.4, 4, np.array([[1, 2, 3, 2]])), bench_e2e.Chunk(0.1, 4, np.array([[4, 4, 4, 4]])),
+              bench_e2e.Chunk(0.2, 4, np.array([[1, 1, 1, 1]]))]
+    summary = bench_e2e.summarize_chunks(chunks, context=10)
+    assert math.isclose(summary["ms_per_step"], 50.0)  # the median chunk, 0.2 s over 4 steps
+    assert math.isclose(summary["tau_measured"], 28 / 12)
+    # Steps start at committed lengths 10+{0,1,3,6}, 10+{0,4,8,12}, 10+{0,1,2,3}.
+    assert math.isclose(summary["mean_context"], 10 + 40 / 12)
+    assert summary["repeats"] == 3 and summary["steps"] == 4
+
+
+def test_roofline_charges_the_draft_what_its_block_pass_reads():
+    from common import random_models
+    target, draft = random_models("tiny")
+    roof = bench_e2e.Roofline(target, draft, {"bandwidth_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0})
+    t, d = target.params, draft.params
+    n = bench_e2e.nbytes
+    part = roof.draft(2, 0, 16)
+    assert part.bytes == n(d.layers) + n(d.norm) + n(t.lm_head)  # no fc: only commit reads it
+    head = t.lm_head.size
+    assert part.flops == 2 * (bench_e2e.nparams(d.layers) + d.norm.size) * 2 * 16 + 2 * head * 2 * 15
+    step = roof.dflash_step(2, 0, 16)
+    kv_columns = sum(layer.qkv_proj.shape[0] * (layer.qkv_proj.shape[1] - layer.q_size) for layer in d.layers)
+    assert step.bytes == roof.verify(2, 0, 16).bytes + part.bytes + n(d.fc) + 2 * kv_columns
+
+
+def test_replay_draws_depend_on_the_prefill_seed():
+    from common import random_models, random_prompts
+    from dflash_jax.generate import prepare
+    target, draft = random_models("tiny")
+    prep = prepare(target, random_prompts(np.random.default_rng(0), 2, 8, 512), draft=draft, max_new_tokens=65,
+                   chunk_steps=4, accept_replay=True, impl="reference")
+    lengths = [bench_e2e.time_chunk(prep, seed, 0.7).accept_lengths for seed in (1, 2, 1)]
+    assert lengths[0].shape == (2, 4)
+    assert (lengths[0] == lengths[2]).all() and not (lengths[0] == lengths[1]).all()
 
 
 def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
@@ -62,9 +186,76 @@ def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
     assert "| bs 2, ctx 512, DFlash block 4 |" in done.stdout
 
 
-def test_ab_kernels_rejects_a_malformed_case():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
-                           "--op", "write_kv", "--cases", "1-16"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0 and "batch:block[:context]" in done.stderr
+@pytest.mark.parametrize("cases, message", [
+    ("1-16", "batch:block[:context]"), ("1:16,", "batch:block[:context]"), ("0:16", "must be >= 1"),
+    ("1:16:0", "must be >= 1"), ("1:1", "block 1 must be in [2, 16]"), ("1:17", "block 17 must be in [2, 16]"),
+])
+def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
+    assert message in parse_error(capsys, ab_kernels.parse_args, ["--shape", "tiny", "--op", "write_kv",
+                                                                  "--cases", cases])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "decode,dflsh"], "unknown dflsh"), (["--modes", ""], "no empty items"),
+    (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be >= 1"),
+])
+def test_profile_step_rejects_bad_settings_when_parsing(capsys, argv, message):
+    assert message in parse_error(capsys, profile_step.parse_args, ["--shape", "tiny", *argv])
+
+
+def test_profile_step_refuses_a_trace_folder_with_more_than_one_trace(tmp_path):
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "perfetto_trace.json.gz").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="expected one Perfetto trace"):
+        profile_step.kernel_events(tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--passes", "fused,kernel:qkv+nope"], "unknown pass 'kernel:qkv+nope'"),
+    (["--passes", "fused,"], "unknown pass ''"),
+    (["--tunings", "{};{"], "is not valid JSON"),
+    (["--tunings", '{"block_kk": 64}'], "expected an object of"),
+    (["--rows", "1,0"], "must be >= 1"),
+])
+def test_bench_matmul_rejects_bad_settings_before_any_device_work(capsys, argv, message):
+    assert message in parse_error(capsys, bench_matmul.main, ["--shape", "tiny", *argv])
+
+
+def test_bench_reference_checks_its_settings(capsys, tmp_path):
+    import bench_reference
+    assert "is a folder" in parse_error(capsys, bench_reference.parse_args, ["--out", str(tmp_path)])
+    assert "--repeats must be >= 1" in parse_error(capsys, bench_reference.parse_args,
+                                                   ["--out", str(tmp_path / "r.json"), "--repeats", "0"])
+
+
+def test_full_block_clock_times_only_the_steps_that_verify_a_whole_block():
+    import bench_reference
+    ticks = iter(range(100, 200, 10))
+    clock = bench_reference.FullBlockClock(16, lambda: next(ticks))
+    for block_len in (16, 16, 16, 9, 3):
+        clock.on_draft(block_len)
+    assert clock.full_steps == 3 and clock.seconds_per_step(finished_at=1000) == (110 - 100) / 3
+    never_short = bench_reference.FullBlockClock(16, lambda: 5.0)
+    never_short.on_draft(16)
+    assert never_short.seconds_per_step(finished_at=11.0) == 6.0
+
+
+def test_the_reference_shortens_verify_blocks_only_at_the_end():
+    """FullBlockClock's premise, on the real dflash_generate (tiny random torch models, CPU)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("dflash")
+    import bench_reference
+    from builders import make_target, make_zlab_draft
+    from conftest import PAIR_DRAFT, PAIR_TARGET
+    target = make_target(seed=1, std=0.1, **PAIR_TARGET)
+    draft = make_zlab_draft(target, seed=101, std=0.3, **PAIR_DRAFT)
+    block_lens = []
+    hook = draft.register_forward_pre_hook(
+        lambda module, positional, keywords: block_lens.append(keywords["noise_embedding"].shape[1]), with_kwargs=True)
+    try:
+        seconds = bench_reference.dflash_step_seconds(draft, target, torch.tensor([[3, 5, 7, 9]]), 8, time.perf_counter)
+    finally:
+        hook.remove()
+    full = block_lens.index(next(n for n in block_lens if n < 16)) if min(block_lens) < 16 else len(block_lens)
+    assert full >= 1 and all(n < 16 for n in block_lens[full:]) and seconds > 0
