@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.cli import at_least
 from dflash_jax.config import DraftConfig, ModelConfig
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
@@ -42,19 +43,7 @@ CEILING_SIZES = {"qwen3-8b": (1024, 8192), "tiny": (8, 512)}
 # ----------------------------------------------------------------------------- argument checks
 # argparse types: a bad value is one ``error:`` line from argparse, before any device work.
 
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+positive_int = at_least(1)
 
 
 def _items(text: str) -> list[str]:

@@ -40,14 +40,14 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
+from dflash_jax.cli import at_least, positive_float, reported_as_errors
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import Tokenizer
-from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, at_least, causal_forward,
-                                     claim_run_folders, global_norm, make_optimizer, positive_float,
-                                     reported_as_errors, run_recipe, run_training)
+from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
+                                     claim_run_folders, global_norm, make_optimizer, run_recipe, run_training)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -39,48 +38,13 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
+from dflash_jax.cli import at_least, positive_float, reported_as_errors
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared command-line helpers.
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type of an int flag >= ``minimum``: a bad value is a usage error naming the flag."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """argparse type of a finite float flag > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-@contextlib.contextmanager
-def reported_as_errors() -> Iterator[None]:
-    """Around a training CLI's reading of the user's input: the library's refusals (OSError,
-    ValueError: missing or clashing folders, bad configs or data) become one ``error: ...`` line
-    and exit status 2, as ``python -m dflash_jax.generate`` reports them."""
-    try:
-        yield
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
 
 @contextlib.contextmanager
 def announced(desc: str, what: str) -> Iterator[None]:

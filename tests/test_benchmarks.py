@@ -78,12 +78,12 @@ def parse_error(capsys, parse, argv) -> str:
     (["--alphas", "-0.1"], "alpha must be in [0, 1)"),
     (["--alphas", ""], "no empty items"),
     (["--batches", "1,"], "no empty items"),
-    (["--batches", "0"], "must be >= 1"),
-    (["--contexts", "x"], "is not an integer"),
+    (["--batches", "0"], "must be an integer >= 1"),
+    (["--contexts", "x"], "must be an integer >= 1"),
     (["--blocks", "1"], "block 1 must be in [2, 16]"),
     (["--blocks", "32"], "block 32 must be in [2, 16]"),
-    (["--repeats", "0"], "must be >= 1"),
-    (["--steps", "0"], "must be >= 1"),
+    (["--repeats", "0"], "must be an integer >= 1"),
+    (["--steps", "0"], "must be an integer >= 1"),
     (["--skip", "decode,e2ee"], "unknown e2ee"),
     (["--steps", "16", "--steps-per-check", "32"], "must divide the steps of every timed chunk (16"),
     (["--steps", "16", "--steps-per-check", "3", "--skip", "e2e"], "every timed chunk (32"),
@@ -187,8 +187,8 @@ def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
 
 
 @pytest.mark.parametrize("cases, message", [
-    ("1-16", "batch:block[:context]"), ("1:16,", "batch:block[:context]"), ("0:16", "must be >= 1"),
-    ("1:16:0", "must be >= 1"), ("1:1", "block 1 must be in [2, 16]"), ("1:17", "block 17 must be in [2, 16]"),
+    ("1-16", "batch:block[:context]"), ("1:16,", "batch:block[:context]"), ("0:16", "batch and context must be >= 1"),
+    ("1:16:0", "batch and context must be >= 1"), ("1:1", "block 1 must be in [2, 16]"), ("1:17", "block 17 must be in [2, 16]"),
 ])
 def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
     assert message in parse_error(capsys, ab_kernels.parse_args, ["--shape", "tiny", "--op", "write_kv",
@@ -197,7 +197,7 @@ def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "decode,dflsh"], "unknown dflsh"), (["--modes", ""], "no empty items"),
-    (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be >= 1"),
+    (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be an integer >= 1"),
 ])
 def test_profile_step_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert message in parse_error(capsys, profile_step.parse_args, ["--shape", "tiny", *argv])
@@ -216,7 +216,7 @@ def test_profile_step_refuses_a_trace_folder_with_more_than_one_trace(tmp_path):
     (["--passes", "fused,"], "unknown pass ''"),
     (["--tunings", "{};{"], "is not valid JSON"),
     (["--tunings", '{"block_kk": 64}'], "expected an object of"),
-    (["--rows", "1,0"], "must be >= 1"),
+    (["--rows", "1,0"], "must be an integer >= 1"),
 ])
 def test_bench_matmul_rejects_bad_settings_before_any_device_work(capsys, argv, message):
     assert message in parse_error(capsys, bench_matmul.main, ["--shape", "tiny", *argv])
