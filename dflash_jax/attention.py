@@ -134,6 +134,12 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
         problems.append(f"page_size {page_size} (needs a power of two)")
     if block_size > 128:
         problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
+    if resolve_impl(impl, "fused_matmul") != "reference":
+        for config in configs:
+            widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+                      "num_heads * head_dim": config.num_heads * config.head_dim}
+            problems += [f"{name} {value} (the projection kernel needs a multiple of 16)"
+                         for name, value in widths.items() if value % 16]
     if problems:
         raise ValueError(f"the Pallas attention kernels (impl={impl!r}) cannot run {'; '.join(problems)}; "
                          "pass impl='reference' (CLI: --impl reference)")

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.paging import gather_pages
 from pallas_kernels.tuning import next_power_of_2
 from pallas_kernels.verify_attention import (TUNING_ARGS, attend_pages, check_paged_args,
-                                             choose_blocks, init_carry, load_query_tile,
+                                             check_sliding_window, choose_blocks, init_carry, load_query_tile,
                                              masked_gqa_attention, paged_attention_call,
                                              softmax_scale, softmax_step, store_output)
 
@@ -38,6 +38,7 @@ def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: j
                                     sliding_window: int | None = None,
                                     causal: bool = False) -> jax.Array:
     """q, block_k/v: [B, T, H*, D]; pages [P, S, Hkv, D]; page_table [B, n]; lens [B] int32."""
+    check_sliding_window(sliding_window)
     batch, block = q.shape[:2]
     if block_lens is None:
         block_lens = jnp.full((batch,), block, jnp.int32)
@@ -140,8 +141,7 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     elif block_lens.shape != (batch,) or not jnp.issubdtype(block_lens.dtype, jnp.integer):
         raise ValueError(f"block_lens must be an integer [batch={batch}] array, got "
                          f"{block_lens.dtype} {block_lens.shape}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    check_sliding_window(sliding_window)
     # the block's own K and V of one KV head stay in shared memory beside the query tile
     block_kv_bytes = 2 * block * q.shape[3] * k_pages.dtype.itemsize
     blocks = choose_blocks(q, k_pages, page_table, block_kv_bytes, block_t=block_t,

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.norm_rope import rms_norm
-from pallas_kernels.tuning import NUM_SMS, SMEM_BUDGET, next_power_of_2
+from pallas_kernels.tuning import NUM_SMS, SMEM_BUDGET, check_launch, check_positive, is_power_of_2, next_power_of_2
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_m", "block_n", "block_k", "num_splits", "num_warps", "num_stages")
@@ -85,6 +85,10 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     at 1 and 16 rows) this beat 64- and 128-deep K tiles, 4 stages, 128-column tiles and K split
     in two (benchmarks/RESULTS.md).
     """
+    check_positive(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=num_splits)
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if value is not None and not is_power_of_2(value):
+            raise ValueError(f"{name} must be a power of two, got {value}")
     if block_m is None:
         block_m = min(64, max(16, next_power_of_2(m)))
     if block_n is None:
@@ -100,7 +104,9 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     if num_stages is None:
         stage_bytes = (block_m + (2 if gated else 1) * block_n) * block_k * itemsize
         num_stages = max(1, min(3, SMEM_BUDGET // stage_bytes))
-    return MatmulBlocks(block_m, block_n, block_k, num_splits, num_warps or 4, num_stages)
+    num_warps = 4 if num_warps is None else num_warps
+    check_launch(num_warps, num_stages)
+    return MatmulBlocks(block_m, block_n, block_k, num_splits, num_warps, num_stages)
 
 
 def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_per_split: int,
@@ -170,6 +176,8 @@ def check_fused_matmul_args(x: jax.Array, w: jax.Array, norm_weight, gated: bool
         raise ValueError(f"x and w must share a float32/bfloat16/float16 dtype, got {x.dtype} and {w.dtype}")
     if x.shape[-1] % 16:
         raise ValueError(f"K (x.shape[-1]) must be a multiple of 16, got {x.shape[-1]}")
+    if x.size == 0 or w.shape[1] == 0:
+        raise ValueError(f"x must hold at least one row and w one column; got x {x.shape}, w {w.shape}")
     if gated and w.shape[1] % 2:
         raise ValueError(f"gated=True needs w [K, 2N] (gate | up), got {w.shape[1]} columns")
     if norm_weight is not None and norm_weight.shape != (x.shape[-1],):

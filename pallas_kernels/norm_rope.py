@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import write_pages
-from pallas_kernels.tuning import row_block
+from pallas_kernels.tuning import check_launch, row_block
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -155,6 +155,8 @@ def _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows: int, 
 def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array) -> None:
     if x.ndim != 4:
         raise ValueError(f"{name} must be [batch, T, heads, head_dim], got shape {x.shape}")
+    if 0 in x.shape[:3]:
+        raise ValueError(f"{name} must hold at least one row (batch, T and heads >= 1), got shape {x.shape}")
     head_dim = x.shape[3]
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"{name} head_dim must be a power of two >= 16, got {head_dim}")
@@ -191,7 +193,9 @@ def _rows_per_program(block_rows: int | None, num_rows: int) -> int:
 
 
 def _compiler_params(num_warps: int | None, num_stages: int | None):
-    return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 1)
+    num_warps, num_stages = 4 if num_warps is None else num_warps, 1 if num_stages is None else num_stages
+    check_launch(num_warps, num_stages)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _page_addresses(positions, ok, pt_ref, seq, num_pages: int, page_size: int):
@@ -361,6 +365,8 @@ def _qkv_norm_rope_kernel(*refs, paged: bool, q_len: int, num_heads: int, num_kv
 def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, positions, num_heads: int,
                num_kv_heads: int) -> tuple[int, int, int, int]:
     """(batch, T, head_dim, rows) of a valid fused projection; ValueError naming what is not."""
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_heads and num_kv_heads must be >= 1, got {num_heads} and {num_kv_heads}")
     slots = num_heads + 2 * num_kv_heads
     if qkv.ndim != 3 or qkv.shape[-1] % slots:
         raise ValueError(f"qkv must be [batch, T, (num_heads + 2 * num_kv_heads) * head_dim] = "

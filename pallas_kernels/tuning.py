@@ -28,6 +28,26 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_launch(num_warps: int, num_stages: int) -> None:
+    """ValueError for Triton launch settings the GPU compiler would reject (a num_warps that is
+    not a power of two aborts the process there) or that could not run."""
+    if not (is_power_of_2(num_warps) and num_warps <= 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+
+
+def check_positive(**values: int | None) -> None:
+    """ValueError naming the first given tuning value that is not >= 1."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """block_t: query tokens per program (rows = block_t * group); pages_per_block: pages per
@@ -49,10 +69,16 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     """Pick the blocks for paged verify/draft attention; any argument given wins over the rule.
 
     Rows per program are padded to at least 16 (the smallest tensor-core tile) and capped at 128
-    (64 for f32 or head_dim > 128); the KV tile is 128 tokens (64 for f32 or head_dim > 128, and
-    for a full batch of 64-row programs, see below) and never under 16. ``extra_smem_bytes``:
-    shared memory a program holds besides its query tile and KV stages.
+    (64 for f32 or head_dim > 128), or at the GQA group when that is larger; the KV tile is 128
+    tokens (64 for f32 or head_dim > 128, and for a full batch of 64-row programs, see below),
+    never under 16 and never less than one page. ``extra_smem_bytes``: shared memory a program
+    holds besides its query tile and KV stages (counted when choosing the stages; ValueError when
+    not even one stage fits).
     """
+    check_positive(block_t=block_t, pages_per_block=pages_per_block, num_splits=num_splits,
+                   num_warps=num_warps, num_stages=num_stages)
+    if q_len < 1 or batch < 1:
+        raise ValueError(f"q must hold at least one query token and one sequence, got T={q_len}, batch={batch}")
     small = itemsize <= 2 and head_dim <= 128
     if block_t is None:
         rows = min(max(16, next_power_of_2(q_len * group)), max(128 if small else 64, group))
@@ -74,13 +100,18 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     q_bytes = rows * head_dim * itemsize
     if num_stages is None:
         num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
-                          if s == 1 or s * stage_bytes + q_bytes <= SMEM_BUDGET)
+                          if s == 1 or s * stage_bytes + q_bytes + extra_smem_bytes <= SMEM_BUDGET)
+    if stage_bytes + q_bytes + extra_smem_bytes > SMEM_BUDGET:
+        raise ValueError(f"one KV stage ({stage_bytes} B), the query tile ({q_bytes} B) and the block's own "
+                         f"K/V ({extra_smem_bytes} B) exceed the {SMEM_BUDGET} B of shared memory a program "
+                         "may use: take fewer pages_per_block or a smaller block_t")
     if num_splits is None:
         target = NUM_SMS * (2 if rows <= 16 or co_resident else 1)
         tiles = -(-pages_per_seq // pages_per_block)
         num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     if num_warps is None:
         num_warps = 8 if rows >= 128 else 4
+    check_launch(num_warps, num_stages)
     return AttentionBlocks(block_t, pages_per_block, num_splits, num_warps, num_stages)
 
 

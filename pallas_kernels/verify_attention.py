@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import gather_pages
-from pallas_kernels.tuning import AttentionBlocks, attention_blocks
+from pallas_kernels.tuning import AttentionBlocks, attention_blocks, is_power_of_2
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
@@ -56,10 +56,20 @@ def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.
     return out.reshape(batch, num_q, q_heads, head_dim).astype(q.dtype)
 
 
+def check_sliding_window(sliding_window) -> None:
+    """ValueError unless the window is None (no window) or an int >= 1."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+
+
 def paged_verify_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                      page_table: jax.Array, start: jax.Array, *,
                                      sliding_window: int | None = None) -> jax.Array:
-    """q [B, T, Hq, D]; k/v_pages [P, S, Hkv, D]; page_table [B, pages_per_seq]; start [B]."""
+    """q [B, T, Hq, D]; k/v_pages [P, S, Hkv, D]; page_table [B, pages_per_seq]; start [B].
+    Page ids must lie in [0, P) wherever a query can see them (the kernels never read outside
+    the pages, but give unspecified values for other ids)."""
+    check_sliding_window(sliding_window)
     keys = gather_pages(k_pages, page_table)
     values = gather_pages(v_pages, page_table)
     q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]  # [B, T]
@@ -203,10 +213,6 @@ def softmax_scale(head_dim: int) -> float:
     return head_dim ** -0.5 * math.log2(math.e)
 
 
-def _is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> None:
     """ValueError naming the argument for shapes/dtypes the kernels do not handle."""
     if q.ndim != 4:
@@ -220,12 +226,12 @@ def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> N
     _, page_size, kv_heads, kv_dim = k_pages.shape
     if kv_dim != head_dim:
         raise ValueError(f"k_pages head_dim {kv_dim} != q head_dim {head_dim}")
-    if not _is_power_of_2(head_dim) or head_dim < 16:
+    if not is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"q head_dim must be a power of two >= 16, got {head_dim}")
-    if q_heads % kv_heads or not _is_power_of_2(q_heads // kv_heads):
+    if q_heads % kv_heads or not is_power_of_2(q_heads // kv_heads):
         raise ValueError(f"q heads ({q_heads}) must be a power-of-two multiple of k_pages "
                          f"kv_heads ({kv_heads})")
-    if not _is_power_of_2(page_size):
+    if not is_power_of_2(page_size):
         raise ValueError(f"k_pages page_size must be a power of two, got {page_size}")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
@@ -249,11 +255,11 @@ def choose_blocks(q, k_pages, page_table, extra_smem_bytes: int = 0, **tuning) -
                               pages_per_seq=page_table.shape[1], batch=batch, kv_heads=kv_heads,
                               itemsize=q.dtype.itemsize, extra_smem_bytes=extra_smem_bytes, **tuning)
     rows = blocks.block_t * group
-    if not _is_power_of_2(rows) or rows < 16:
+    if not is_power_of_2(rows) or rows < 16:
         raise ValueError(f"block_t * group must be a power of two >= 16, got "
                          f"{blocks.block_t} * {group}")
     block_k = blocks.pages_per_block * page_size
-    if not _is_power_of_2(block_k) or block_k < 16:
+    if not is_power_of_2(block_k) or block_k < 16:
         raise ValueError(f"pages_per_block * page_size must be a power of two >= 16, got "
                          f"{blocks.pages_per_block} * {page_size}")
     if blocks.num_splits < 1:
@@ -361,8 +367,7 @@ def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_stages.
     """
     check_paged_args(q, k_pages, v_pages, page_table, start, "start")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    check_sliding_window(sliding_window)
     blocks = choose_blocks(q, k_pages, page_table, block_t=block_t,
                            pages_per_block=pages_per_block, num_splits=num_splits,
                            num_warps=num_warps, num_stages=num_stages)

@@ -492,3 +492,43 @@ def test_rejects_bad_tuning_and_block_shapes():
     with pytest.raises(ValueError, match="positions"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, weight, S((2, 15), jnp.int32))
+
+
+def test_rejects_launch_settings_and_empty_inputs_by_name():
+    """What the GPU compiler would reject (a num_warps that is not a power of two aborts the
+    process there), what cannot fit in shared memory, and empty inputs: ValueError naming them."""
+    verify = pk.paged_verify_attention
+    for kw, match in [({"num_warps": 3}, "num_warps must be a power of two"), ({"num_warps": 0}, "num_warps"),
+                      ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t must be >= 1"),
+                      ({"pages_per_block": 0}, "pages_per_block must be >= 1"),
+                      ({"sliding_window": 2.5}, "sliding_window must be an int")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(verify, **kw), *_attention_shapes())
+    q, k_pages, v_pages, page_table, start = _attention_shapes()
+    with pytest.raises(ValueError, match="at least one query token"):
+        jax.eval_shape(verify, S((2, 0, *q.shape[2:]), q.dtype), k_pages, v_pages, page_table, start)
+    with pytest.raises(ValueError, match="sliding_window must be an int"):
+        pk.paged_verify_attention_reference(*(jnp.zeros(x.shape, x.dtype) for x in _attention_shapes()),
+                                            sliding_window=0)
+    # f32, head_dim 256, a 128-token block: its own K/V alone is 256 KB of shared memory
+    f32 = lambda shape, dtype=jnp.float32: S(shape, dtype)  # noqa: E731
+    with pytest.raises(ValueError, match="exceed the .* shared memory"):
+        jax.eval_shape(pk.paged_draft_attention, f32((1, 128, 4, 256)), f32((8, 16, 1, 256)), f32((8, 16, 1, 256)),
+                       f32((1, 4), jnp.int32), f32((1,), jnp.int32), f32((1, 128, 1, 256)), f32((1, 128, 1, 256)))
+    write = functools.partial(pk.norm_rope_write, eps=1e-6, theta=1e6)
+    with pytest.raises(ValueError, match="num_warps"):
+        jax.eval_shape(functools.partial(write, num_warps=3), *_write_shapes())
+    for kw, match in [({"num_warps": 6}, "num_warps"), ({"block_m": 24}, "block_m must be a power of two"),
+                      ({"block_n": 0}, "block_n must be >= 1"), ({"num_splits": 0}, "num_splits must be >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.fused_matmul, **kw), S((2, 64), BF), S((64, 32), BF))
+    with pytest.raises(ValueError, match="at least one row"):
+        jax.eval_shape(pk.fused_matmul, S((0, 64), BF), S((64, 32), BF))
+
+
+def test_write_pages_drops_page_ids_outside_the_pool():
+    """Like the kernels: a page id outside [0, num_pages), negative included, writes nothing."""
+    pages = jnp.zeros((3, 2, 1, 1))
+    table = jnp.array([[-1, 1]], jnp.int32)
+    out = pk.write_pages(pages, table, jnp.array([[0, 1, 2]], jnp.int32), jnp.ones((1, 3, 1, 1)))
+    assert np.asarray(out[:, :, 0, 0]).tolist() == [[0, 0], [1, 0], [0, 0]]
