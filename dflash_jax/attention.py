@@ -14,6 +14,7 @@ from typing import Literal
 import jax
 
 import pallas_kernels as pk
+from pallas_kernels import tuning as pk_tuning
 
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
@@ -120,8 +121,7 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
     models (the kernels need power-of-two head_dim >= 16, GQA group and page size, block <= 128)."""
     if resolve_impl(impl, "verify_attention") == "reference":
         return
-    def power_of_two(n):
-        return n > 0 and n & (n - 1) == 0
+    power_of_two = pk_tuning.is_power_of_2
     problems = []
     for config in configs:
         group = config.num_heads // config.num_kv_heads

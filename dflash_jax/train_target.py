@@ -41,6 +41,7 @@ from dflash_jax.cache import init_cache
 from dflash_jax.cli import at_least, positive_float, reported_as_errors
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
+from pallas_kernels.tuning import is_power_of_2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,10 +303,10 @@ class TinyTargetShape:
 
     def __post_init__(self):
         group = self.num_heads // max(self.num_kv_heads, 1)
-        if self.num_heads % self.num_kv_heads or group & (group - 1):
+        if self.num_heads % self.num_kv_heads or not is_power_of_2(group):
             raise ValueError(f"num_heads {self.num_heads} must be a power-of-two multiple of num_kv_heads "
                              f"{self.num_kv_heads} (the attention kernels' GQA layout)")
-        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+        if self.head_dim < 16 or not is_power_of_2(self.head_dim):
             raise ValueError(f"head_dim {self.head_dim} must be a power of two >= 16 (the attention kernels)")
 
     def model_config(self, eos_id: int) -> ModelConfig:

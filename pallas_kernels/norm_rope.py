@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import write_pages
-from pallas_kernels.tuning import check_launch, row_block
+from pallas_kernels.tuning import check_launch, is_power_of_2, row_block
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -158,7 +158,7 @@ def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array
     if 0 in x.shape[:3]:
         raise ValueError(f"{name} must hold at least one row (batch, T and heads >= 1), got shape {x.shape}")
     head_dim = x.shape[3]
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if head_dim < 16 or not is_power_of_2(head_dim):
         raise ValueError(f"{name} head_dim must be a power of two >= 16, got {head_dim}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
@@ -186,8 +186,8 @@ def _check_pages(k, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Arra
 
 def _rows_per_program(block_rows: int | None, num_rows: int) -> int:
     """block_rows as given (a power of two) or, by default, ``tuning.row_block``."""
-    block_rows = block_rows or row_block(num_rows)
-    if block_rows & (block_rows - 1):
+    block_rows = row_block(num_rows) if block_rows is None else block_rows
+    if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     return block_rows
 
