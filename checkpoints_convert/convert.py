@@ -2,8 +2,9 @@
 
 Conversion streams the source tensor by tensor into host arrays of the output dtype and writes
 them with orbax without further copies, so peak memory is about the converted params' size
-(a 16 GB bf16 Qwen3-8B converts on a 24 GB machine). Output is atomic: everything is written
-into a hidden sibling directory that is renamed to OUT only when complete.
+(with orbax-checkpoint >= 0.12.5: a 16 GB bf16 Qwen3-8B converts on a 24 GB machine). Output is
+atomic: everything is written into a hidden sibling directory that is renamed to OUT only when
+complete.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -27,17 +30,22 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @contextlib.contextmanager
 def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield an empty hidden sibling directory of ``out``; when the block completes it becomes
-    ``out`` (replacing an existing one only with ``overwrite``), with the umask's permissions on
-    everything inside, and on any failure, Ctrl-C included, it is removed and ``out`` is left as
-    it was."""
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    ``out`` (replacing an existing one only with ``overwrite``, and then only a converted or
+    empty folder), with the umask's permissions on everything inside, and on any failure, Ctrl-C
+    included, it is removed and ``out`` is left as it was. The checks run again at the end, for
+    an ``out`` that appeared meanwhile."""
+    _check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
+    stale = sorted(path.name for path in out.parent.glob(f".{out.name}.*.tmp"))
+    if stale:
+        warnings.warn(f"{out.parent} holds {', '.join(stale)}, left by an interrupted conversion to "
+                      f"{out.name}; delete them once no conversion is running", stacklevel=3)
     tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
     try:
         yield tmp
         _apply_umask_permissions(tmp)
+        _check_replaceable(out, overwrite)
         if out.exists() or out.is_symlink():
             trash = tmp.with_suffix(".old")
             out.rename(trash)
@@ -55,6 +63,18 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """FileExistsError unless ``out`` is absent, or ``overwrite`` and it is an empty folder or
+    one this package converted (never a user's other folder)."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
+    if out.is_symlink() or not out.is_dir() or not (checkpoint.is_converted(out) or not any(out.iterdir())):
+        raise FileExistsError(f"{out} is not a converted model folder (no {checkpoint.MARKER_FILE}): "
+                              "refusing to replace it, even with --overwrite")
 
 
 def _apply_umask_permissions(root: Path) -> None:
@@ -81,12 +101,23 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a directory (expected an HF model folder)")
+    if checkpoint.is_converted(src):
+        raise ValueError(f"{src} is already a converted folder: load_target / load_draft and "
+                         "python -m dflash_jax.generate read it as it is")
     if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
         raise ValueError(f"output {out} would replace the source folder {src}")
     kind = "draft" if is_draft_config(read_config_json(src)) else "target"
     load = checkpoint.load_hf_draft if kind == "draft" else checkpoint.load_hf_target
     with atomic_output(out, overwrite) as tmp:
-        _, params = load(src, DTYPES[dtype], host=True, progress=progress)
+        config, params = load(src, DTYPES[dtype], host=True, progress=progress)
+        if kind == "draft" and config.source_format == "speculators" and config.draft_vocab_size is None:
+            dropped = checkpoint.speculators_copies(src)
+            if dropped:
+                warnings.warn(f"{src}: the draft's own {' and '.join(dropped)} are not kept: a converted draft uses "
+                              "the target's (vLLM would use the draft's); load_draft on the HF folder with its "
+                              "target warns if they differ", stacklevel=2)
+        if progress:
+            print(f"writing {out} ...", file=sys.stderr, flush=True)
         checkpoint.save_params(tmp, params)
         for name in ("config.json",) + SIDE_FILES:
             if (src / name).is_file():

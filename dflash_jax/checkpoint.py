@@ -72,12 +72,14 @@ class Slot:
     checked and dropped (speculators' ``t2d``, derivable from ``d2t``). ``shape`` is the HF
     ([out, in]) shape; ``transposed`` marks torch Linear weights, stored ``[in, out]`` here.
     ``columns`` (start, stop) places a tensor inside a fused leaf (q/k/v in ``qkv_proj``).
+    ``integer`` marks an id map (``d2t``, ``t2d``), stored int32; every other tensor is a float.
     """
 
     path: tuple | None
     shape: tuple[int, ...]
     transposed: bool = False
     columns: tuple[int, int] | None = None
+    integer: bool = False
 
 
 def _layer_slots(config: ModelConfig, prefix: str) -> dict[str, Slot]:
@@ -114,8 +116,8 @@ def draft_slots(config: DraftConfig) -> dict[str, Slot]:
     slots["norm.weight"] = Slot(("norm",), (h,))
     if config.draft_vocab_size is not None:
         slots["lm_head.weight"] = Slot(("lm_head",), (config.draft_vocab_size, h), True)
-        slots["d2t"] = Slot(("d2t",), (config.draft_vocab_size,))
-        slots["t2d"] = Slot(None, (model.vocab_size,))
+        slots["d2t"] = Slot(("d2t",), (config.draft_vocab_size,), integer=True)
+        slots["t2d"] = Slot(None, (model.vocab_size,))  # often bool: checked for shape only
     return slots
 
 
@@ -142,6 +144,8 @@ def safetensors_files(directory: Path) -> list[Path]:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' object")
+        if not all(isinstance(shard, str) for shard in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' values must be shard file names")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
@@ -192,7 +196,7 @@ def _count_tensors(directory: Path) -> int:
 def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str], bool], *,
           host: bool, progress: bool) -> dict[tuple, Any]:
     """Stream every tensor of an HF folder into its slot: check name and shape before loading,
-    transpose Linear weights, cast floats to ``dtype`` (integer maps to int32), then keep it as a
+    transpose Linear weights, cast floats to ``dtype`` (id maps to int32), then keep it as a
     numpy array (``host``) or a device array. Holds one source tensor at a time besides the
     converted ones (and the parts of a fused leaf until its last part arrives). Returns
     {key path: array}."""
@@ -220,13 +224,16 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
         if slot.path is None:
             continue
         array = load()
-        if jnp.issubdtype(array.dtype, jnp.integer):
-            target = np.int32
-        elif jnp.issubdtype(array.dtype, jnp.floating):
-            target = dtype
-        else:
-            raise CheckpointError(f"{where}: tensor '{name}' has unsupported dtype {array.dtype}")
-        array = np.ascontiguousarray(array.T if slot.transposed else array, dtype=target)
+        kind, target = (jnp.integer, np.int32) if slot.integer else (jnp.floating, dtype)
+        if not jnp.issubdtype(array.dtype, kind):
+            raise CheckpointError(f"{where}: tensor '{name}' has dtype {array.dtype}, expected "
+                                  f"{'an integer' if slot.integer else 'a float'} dtype")
+        with np.errstate(over="ignore"):  # float16 overflow is reported below
+            source, array = array, np.ascontiguousarray(array.T if slot.transposed else array, dtype=target)
+        if np.dtype(target) == np.float16 and np.isinf(array).sum() > np.isinf(source).sum():
+            raise CheckpointError(f"{where}: tensor '{name}' has values beyond float16's range "
+                                  f"(max |x| {float(np.abs(source).max()):.4g}); use bfloat16 or float32")
+        del source
         if slot.columns:
             parts[slot.path][slot.columns] = array
             if len(parts[slot.path]) < parts_expected[slot.path]:
@@ -289,27 +296,45 @@ def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fal
         # used, see check_speculators_copies), unless a reduced vocabulary makes lm_head.weight
         # their own (then it is a slot, as are d2t and t2d). A full vocabulary may come with
         # identity d2t/t2d maps.
-        copies = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
-        ignored = lambda name: _rotary(name) or name in copies  # noqa: E731
+        ignored = lambda name: _rotary(name) or name in SPECULATORS_COPIES  # noqa: E731
     else:
         ignored = _rotary
     values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
+    if config.source_format == "speculators" and config.draft_vocab_size is None:
+        _check_identity_d2t(directory)
     structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
     return config, _fill(structure, values)
 
 
+# Tensors of a full-vocabulary speculators draft that this library does not keep: copies of the
+# target's embedding and LM head, and identity id maps.
+SPECULATORS_COPIES = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
+
+
+def _check_identity_d2t(directory: Path) -> None:
+    """A full-vocabulary speculators draft may carry d2t only as the identity (all offsets 0)."""
+    for name, load, _ in iter_tensors(directory):
+        if name == "d2t":
+            d2t = load()
+            if not jnp.issubdtype(d2t.dtype, jnp.integer) or np.any(d2t):
+                raise CheckpointError(f"{directory}: d2t maps draft ids to other target ids, but the draft "
+                                      "vocabulary is the target's (draft_vocab_size)")
+
+
+def speculators_copies(directory: str | Path) -> list[str]:
+    """Names of the embedding / LM head copies a full-vocabulary speculators draft carries."""
+    return [name for name, _, _ in iter_tensors(Path(directory)) if name in SPECULATORS_COPIES[:2]]
+
+
 def check_speculators_copies(directory: str | Path, target: TargetParams) -> None:
     """A full-vocabulary speculators draft's own embedding and LM head are ignored in favour of
-    the target's: warn when they differ from the target's (vLLM would use them), and refuse a d2t
-    map that is not the identity. Reads only the shard headers unless such tensors are there."""
+    the target's: warn when they differ from the target's (vLLM would use them). Reads only the
+    shard headers unless such tensors are there."""
     directory = Path(directory)
     target_rows = {"embed_tokens.weight": lambda rows: target.embed[rows],
                    "lm_head.weight": lambda rows: (target.embed[rows] if target.lm_head is None
                                                     else target.lm_head[:, rows].T)}
     for name, load, shape in iter_tensors(directory):
-        if name == "d2t" and np.any(load()):
-            raise CheckpointError(f"{directory}: d2t maps draft ids to other target ids, but the draft "
-                                  "vocabulary is the target's (draft_vocab_size)")
         if name in target_rows:
             ours = target_rows[name]
             step = 8192  # the target's rows come to the host a block at a time
@@ -406,6 +431,20 @@ def save_params(directory: Path, params) -> None:
         checkpointer.save((directory / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
 
 
+@contextlib.contextmanager
+def _unreadable_params(directory: str | Path):
+    """Report orbax's and TensorStore's failures to read a damaged params/ folder (truncated or
+    missing files) as one CheckpointError naming the folder."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - orbax raises bare Exceptions with long dumps
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise CheckpointError(f"{directory}: {PARAMS_DIR}/ could not be read ({first_line}); "
+                              "convert the model again") from error
+
+
 def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None, *,
                    progress: bool = False):
     """Read an orbax params checkpoint into the structure of ``abstract`` (ShapeDtypeStructs):
@@ -419,8 +458,12 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
     import orbax.checkpoint as ocp
 
     path = (Path(directory) / PARAMS_DIR).absolute()
-    with ocp.StandardCheckpointer() as checkpointer:
-        stored = _leaves_by_path(checkpointer.metadata(path).item_metadata.tree)
+    with _unreadable_params(directory), ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(path) if path.is_dir() else None
+        if metadata is None or metadata.item_metadata is None:
+            raise CheckpointError(f"{directory}: {PARAMS_DIR}/ is missing or has no orbax metadata; "
+                                  "convert the model again")
+        stored = _leaves_by_path(metadata.item_metadata.tree)
     wanted = _leaves_by_path(abstract)
     for key in sorted(set(stored) | set(wanted), key=str):
         have, want = stored.get(key), wanted.get(key)
@@ -436,8 +479,9 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
     leaves = [leaf for _, leaf in paths]
     restored = [None] * len(leaves)
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {Path(directory).name}",
-              disable=not progress, file=sys.stderr) as bar, \
+    with _unreadable_params(directory), \
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {Path(directory).name}",
+                 disable=not progress, file=sys.stderr) as bar, \
             ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         for indices in groups.values():
             def only_group(make):

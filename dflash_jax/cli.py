@@ -1,5 +1,6 @@
-"""Pieces shared by the command lines (the training CLIs and the benchmarks): argparse types
-whose bad values are one usage error naming the flag, and the one-line report of refused input."""
+"""Pieces shared by the command lines (generate, convert, the training CLIs and the benchmarks):
+argparse types whose bad values are one usage error naming the flag, the one-line report of
+refused input, and one-line warnings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import contextlib
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 
 
@@ -44,3 +46,19 @@ def reported_as_errors() -> Iterator[None]:
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"{'warning' if category is UserWarning else category.__name__}: {message}\n"
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Within it (a CLI's ``main``; also a decorator), warnings print as ``warning: message``
+    (other categories: ``Category: message``), not with the file, line and source line that
+    raised them as Python's default does."""
+    previous, warnings.formatwarning = warnings.formatwarning, _one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous

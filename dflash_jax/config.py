@@ -13,22 +13,50 @@ class ConfigError(ValueError):
     """A config.json that this library cannot run, with the offending field named."""
 
 
-def _require(raw: dict, name: str, where: str):
-    if name not in raw or raw[name] is None:
-        raise ConfigError(f"{where}: required field '{name}' is missing")
-    return raw[name]
+_REQUIRED = object()
+
+
+def _field(raw: dict, name: str, where: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """``raw[name]`` as ``kind`` (int, float, bool, str, dict or list); an absent or null field
+    takes ``default``. ConfigError naming the field when it is missing without a default or has
+    another type (a JSON bool is not a number, and "false" is not a bool)."""
+    value = raw.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{where}: required field '{name}' is missing")
+        return default
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                 dict: "an object", list: "a list"}
+        raise ConfigError(f"{where}: field '{name}' must be {names[kind]}, got {value!r}")
+    return value
+
+
+def _int_list(raw: dict, name: str, where: str, default: Any = _REQUIRED) -> Any:
+    """A list of integers (or a single integer) as a tuple; ConfigError naming the field."""
+    value = raw.get(name)
+    if value is None:
+        return _field(raw, name, where, list, default)
+    items = value if isinstance(value, list) else [value]
+    return tuple(_field({name: item}, name, where, int) for item in items if item is not None)
 
 
 def _rope_theta(raw: dict, where: str) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = _field(raw, "rope_parameters", where, dict, None) or _field(raw, "rope_scaling", where, dict, None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
         raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only default RoPE)")
-    # transformers 5 reads rope_parameters first; the top-level rope_theta is the older form
-    theta = params.get("rope_theta", raw.get("rope_theta"))
-    if theta is None:
+    # transformers 5 reads rope_parameters first; the top-level rope_theta is the older form.
+    # Required (Qwen3Config would take 10000, Qwen3's releases use 1e6: a wrong theta is silent).
+    if params.get("rope_theta") is not None:
+        return _field(params, "rope_theta", f"{where} rope_parameters", float)
+    if raw.get("rope_theta") is None:
         raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
-    return float(theta)
+    return _field(raw, "rope_theta", where, float)
 
 
 def token_ids(value) -> tuple[int, ...]:
@@ -80,39 +108,42 @@ class ModelConfig:
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
             raise ConfigError(f"{where}: quantized checkpoints (quantization_config, quant_method "
                               f"'{method}') are not supported; use the bfloat16 release")
-        if raw.get("attention_bias"):
+        if _field(raw, "attention_bias", where, bool, False):
             raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
-        act = raw.get("hidden_act", "silu")
+        act = _field(raw, "hidden_act", where, str, "silu")
         if act != "silu":
             raise ConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
-        hidden = int(_require(raw, "hidden_size", where))
-        heads = int(_require(raw, "num_attention_heads", where))
-        layers = int(_require(raw, "num_hidden_layers", where))
+        heads = _field(raw, "num_attention_heads", where, int)
+        layers = _field(raw, "num_hidden_layers", where, int)
         # transformers' Qwen3Config: the window (4096 when the field is absent, none when it is
         # null) exists only with use_sliding_window; without explicit layer_types, layers from
         # max_window_layers on slide.
-        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
-        window = None if window is None else int(window)
-        layer_types = tuple(raw.get("layer_types") or (
-            "sliding_attention" if window is not None and i >= int(raw.get("max_window_layers", 28))
-            else "full_attention" for i in range(layers)))
+        window = None
+        if _field(raw, "use_sliding_window", where, bool, False):
+            window = _field(raw, "sliding_window", where, int, None) if "sliding_window" in raw else 4096
+        layer_types = _field(raw, "layer_types", where, list, None)
+        if layer_types is None:
+            first_sliding = _field(raw, "max_window_layers", where, int, 28)
+            layer_types = ["sliding_attention" if window is not None and i >= first_sliding
+                           else "full_attention" for i in range(layers)]
+        # transformers' Qwen3Config defaults: 32 KV heads when the field is absent, one per
+        # query head when it is null; head_dim 128 (not hidden // heads)
+        kv_heads = _field(raw, "num_key_value_heads", where, int, heads) if "num_key_value_heads" in raw else 32
         return cls(
-            vocab_size=int(_require(raw, "vocab_size", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(raw, "intermediate_size", where)),
+            vocab_size=_field(raw, "vocab_size", where, int),
+            hidden_size=_field(raw, "hidden_size", where, int),
+            intermediate_size=_field(raw, "intermediate_size", where, int),
             num_layers=layers,
             num_heads=heads,
-            # transformers' Qwen3Config defaults: 32 KV heads when the field is absent, one per
-            # query head when it is null; head_dim 128 (not hidden // heads)
-            num_kv_heads=int(raw.get("num_key_value_heads", 32) or heads),
-            head_dim=int(raw.get("head_dim") or 128),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=_field(raw, "head_dim", where, int, 128),
+            rms_norm_eps=_field(raw, "rms_norm_eps", where, float, 1e-6),
             rope_theta=_rope_theta(raw, where),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=_field(raw, "tie_word_embeddings", where, bool, False),
+            max_position_embeddings=_field(raw, "max_position_embeddings", where, int, 32768),
             sliding_window=window,
-            layer_types=layer_types,
-            eos_token_ids=token_ids(raw.get("eos_token_id")),
+            layer_types=tuple(str(kind) for kind in layer_types),
+            eos_token_ids=_int_list(raw, "eos_token_id", where, ()),
         )
 
 
@@ -127,7 +158,13 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 def is_draft_config(raw: dict[str, Any]) -> bool:
     """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
     return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
-            or any(str(name).startswith("DFlash") for name in raw.get("architectures") or []))
+            or any(name.startswith("DFlash") for name in _architectures(raw)))
+
+
+def _architectures(raw: dict[str, Any]) -> list[str]:
+    """config.json's ``architectures`` as a list of names (a lone string counts as one)."""
+    names = raw.get("architectures") or []
+    return [str(name) for name in ([names] if isinstance(names, str) else names)] if isinstance(names, (str, list)) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,39 +205,39 @@ class DraftConfig:
         if not is_draft_config(raw):
             raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
                               "and there is no dflash_config or speculators_model_type)")
-        other = [name for name in raw.get("architectures") or []
-                 if str(name).startswith("DFlash") and name != "DFlashDraftModel"]
+        other = [name for name in _architectures(raw) if name.startswith("DFlash") and name != "DFlashDraftModel"]
         if other:
             raise ConfigError(f"{where}: architecture {other[0]} is not supported; this library runs "
                               "DFlashDraftModel drafts (z-lab) and speculators 'dflash' drafts")
-        dflash = raw.get("dflash_config") or {}
+        dflash = _field(raw, "dflash_config", where, dict, {})
 
-        def value(name, default=None):
-            return dflash.get(name, raw.get(name, default))
+        def at(name):
+            """(mapping, name, where) of a field: dflash_config's copy when it has one, else the
+            top level's."""
+            return (dflash, name, f"{where} dflash_config") if dflash.get(name) is not None else (raw, name, where)
 
         model = ModelConfig.from_hf(raw, where)
-        ids = value("target_layer_ids")
-        num_target_layers = raw.get("num_target_layers")
+        ids = _int_list(*at("target_layer_ids"), None)
+        num_target_layers = _field(raw, "num_target_layers", where, int, None)
         if ids is None:
             if num_target_layers is None:
                 raise ConfigError(f"{where}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'")
-            ids = build_target_layer_ids(int(num_target_layers), model.num_layers)
-        mask = value("mask_token_id")
+            ids = build_target_layer_ids(num_target_layers, model.num_layers)
+        mask = _field(*at("mask_token_id"), int, None)
         if mask is None:
             raise ConfigError(f"{where}: required field 'dflash_config.mask_token_id' is missing")
-        softcap = value("final_logit_softcapping")
-        is_causal = raw.get("is_causal")
-        causal = tuple(kind == "sliding_attention" if is_causal is None else bool(is_causal)
+        is_causal = _field(raw, "is_causal", where, bool, None)
+        causal = tuple(kind == "sliding_attention" if is_causal is None else is_causal
                        for kind in model.layer_types)
         return cls(
             model=model,
-            block_size=int(value("block_size", 16)),
-            mask_token_id=int(mask),
-            target_layer_ids=tuple(int(i) for i in ids),
-            num_target_layers=None if num_target_layers is None else int(num_target_layers),
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap else None,
+            block_size=_field(*at("block_size"), int, 16),
+            mask_token_id=mask,
+            target_layer_ids=ids,
+            num_target_layers=num_target_layers,
+            input_embedding_scale=_field(*at("input_embedding_scale"), float, 1.0),
+            output_multiplier=_field(*at("output_multiplier"), float, 1.0),
+            final_logit_softcapping=_field(*at("final_logit_softcapping"), float, None) or None,
             causal_layers=causal,
         )
 
@@ -209,29 +246,26 @@ class DraftConfig:
         kind = raw["speculators_model_type"]
         if kind != "dflash":
             raise ConfigError(f"{where}: speculators_model_type '{kind}' is not a DFlash draft")
-        layer_raw = dict(_require(raw, "transformer_layer_config", where))
+        layer_raw = dict(_field(raw, "transformer_layer_config", where, dict))
         # Some exporters put the layers' attention kinds at the top level instead.
         for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
             if key not in layer_raw and key in raw:
                 layer_raw[key] = raw[key]
         model = ModelConfig.from_hf(layer_raw, f"{where} transformer_layer_config")
-        aux = [int(i) for i in _require(raw, "aux_hidden_state_layer_ids", where)]
+        aux = _int_list(raw, "aux_hidden_state_layer_ids", where)
         if min(aux, default=1) < 1:
-            raise ConfigError(f"{where}: aux_hidden_state_layer_ids {aux} must be >= 1 (id k is the "
+            raise ConfigError(f"{where}: aux_hidden_state_layer_ids {list(aux)} must be >= 1 (id k is the "
                               "output of target decoder layer k; 0, the embedding output, cannot be tapped)")
-        mask = raw.get("mask_token_id")
-        if mask is None:
-            raise ConfigError(f"{where}: required field 'mask_token_id' is missing")
-        draft_vocab = raw.get("draft_vocab_size")
+        draft_vocab = _field(raw, "draft_vocab_size", where, int, None)
         # speculators: full-attention layers are bidirectional; sliding ones causal unless
         # sliding_window_non_causal (the same default as the z-lab reference).
-        non_causal_swa = bool(raw.get("sliding_window_non_causal", False))
+        non_causal_swa = _field(raw, "sliding_window_non_causal", where, bool, False)
         return cls(
             model=model,
-            block_size=int(_require(raw, "block_size", where)),
-            mask_token_id=int(mask),
+            block_size=_field(raw, "block_size", where, int),
+            mask_token_id=_field(raw, "mask_token_id", where, int),
             target_layer_ids=tuple(i - 1 for i in aux),
-            draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else int(draft_vocab),
+            draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else draft_vocab,
             causal_layers=tuple(k == "sliding_attention" and not non_causal_swa for k in model.layer_types),
             source_format="speculators",
         )

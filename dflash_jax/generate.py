@@ -20,6 +20,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import allocate_pages, init_cache
+from dflash_jax.cli import one_line_warnings
 from dflash_jax.config import load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -390,6 +391,7 @@ def _first_difference(ours: list[list[int]], base: list[list[int]]) -> str:
     return "no difference"
 
 
+@one_line_warnings()
 def main(argv: list[str] | None = None) -> int:
     from dflash_jax.tokenizer import TextStream, Tokenizer
 

@@ -40,7 +40,7 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import at_least, positive_float, reported_as_errors
+from dflash_jax.cli import at_least, one_line_warnings, positive_float, reported_as_errors
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -358,6 +358,7 @@ def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]],
             "speedup": spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else None}
 
 
+@one_line_warnings()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="target HF folder (with tokenizer.json)")

@@ -38,7 +38,7 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import at_least, positive_float, reported_as_errors
+from dflash_jax.cli import at_least, one_line_warnings, positive_float, reported_as_errors
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 from pallas_kernels.tuning import is_power_of_2
@@ -459,6 +459,7 @@ def train_target(run: TargetRun, *, eval_every: int = 250, max_shard_mb: int = D
     return config, state.params
 
 
+@one_line_warnings()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output HF model folder")

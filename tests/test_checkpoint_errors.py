@@ -122,6 +122,35 @@ def test_speculators_full_vocabulary_copies(tmp_path):
     _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=np.ones(len(embed), np.int64)))
     with pytest.raises(CheckpointError, match="d2t maps draft ids to other target ids"):
         load_draft(tmp_path / "draft", target, dtype="float32")
+    with pytest.raises(CheckpointError, match="d2t maps draft ids"):  # no target needed
+        convert(tmp_path / "draft", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_integer_weight_and_float_id_map_are_refused(target, tmp_path):
+    """Only id maps (d2t) are integers: an int8 weight without a quantization_config is not cast."""
+    _edit_tensors(target, lambda t: t.update({"model.norm.weight": np.ones(32, np.int8)}))
+    _convert_fails(target, CheckpointError, "'model.norm.weight' has dtype int8, expected a float dtype")
+    tmp_path = tmp_path / "spec"
+    make_speculators_draft(tmp_path / "draft", draft_vocab=64)
+    _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=t["d2t"].astype(np.float32)))
+    _convert_fails(tmp_path / "draft", CheckpointError, "'d2t' has dtype float32, expected an integer dtype")
+
+
+def test_float16_overflow_is_refused(target):
+    _edit_tensors(target, lambda t: t["model.norm.weight"].__setitem__(3, 1e5))
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has values beyond float16's range \(max \|x\| 1e\+05\)"):
+        convert(target, target.parent / "out", dtype="float16", progress=False)
+    convert(target, target.parent / "out", dtype="bfloat16", progress=False)
+
+
+def test_index_with_a_non_string_shard_name(tmp_path):
+    make_target(tmp_path / "hf", max_shard_size="20KB")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"]["model.norm.weight"] = 3
+    index.write_text(json.dumps(raw))
+    _convert_fails(tmp_path / "hf", CheckpointError, "'weight_map' values must be shard file names")
 
 
 def test_missing_shard(tmp_path):
@@ -195,6 +224,73 @@ def test_existing_output_is_refused_before_any_work(target, monkeypatch):
     with pytest.raises(FileExistsError, match="already exists"):
         convert(target, out, progress=False)
     assert _only(out) == ["keep"]
+
+
+def test_overwrite_replaces_only_a_converted_or_empty_folder(target):
+    out = target.parent / "out"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a converted model folder .* even with --overwrite"):
+        convert(target, out, overwrite=True, progress=False)
+    assert _only(out) == ["keep"]
+    (out / "keep").unlink()
+    convert(target, out, overwrite=True, progress=False)   # empty: replaced
+    convert(target, out, overwrite=True, progress=False)   # converted: replaced
+    assert checkpoint.is_converted(out)
+
+
+def test_output_that_appears_during_the_conversion_is_kept(target, monkeypatch):
+    """The existence check runs again before the output is moved into place."""
+    out = target.parent / "out"
+    real_save = checkpoint.save_params
+
+    def save_while_someone_writes_out(directory, params):
+        real_save(directory, params)
+        out.mkdir()
+        (out / "keep").write_text("mine")
+
+    monkeypatch.setattr(checkpoint, "save_params", save_while_someone_writes_out)
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(target, out, progress=False)
+    assert _only(target.parent) == ["hf", "out"] and _only(out) == ["keep"]
+
+
+def test_cli_kill_leaves_nothing_and_stale_folders_are_named(target, monkeypatch, capsys):
+    import os
+    import signal
+
+    from checkpoints_convert.__main__ import main
+
+    monkeypatch.setattr(checkpoint, "save_params", lambda directory, params: os.kill(os.getpid(), signal.SIGTERM))
+    assert main([str(target), str(target.parent / "out"), "--quiet"]) == 130
+    assert "interrupted: nothing was written" in capsys.readouterr().err
+    assert _only(target.parent) == ["hf"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    monkeypatch.undo()
+    (target.parent / ".out.1234abcd.tmp").mkdir()  # as a SIGKILL would leave it
+    with pytest.warns(UserWarning, match=r"holds \.out\.1234abcd\.tmp, left by an interrupted conversion"):
+        assert main([str(target), str(target.parent / "out"), "--quiet"]) == 0
+
+
+def test_damaged_converted_folder_is_named(target):
+    import shutil
+
+    out = target.parent / "out"
+    convert(target, out, progress=False)
+    data = sorted((p for p in (out / checkpoint.PARAMS_DIR).rglob("*") if p.is_file() and p.stat().st_size > 4096),
+                  key=lambda p: p.stat().st_size)[-1]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{checkpoint.PARAMS_DIR}/ could not be read .*convert the model again"):
+        load_target(out)
+    shutil.rmtree(out / checkpoint.PARAMS_DIR)
+    with pytest.raises(CheckpointError, match=f"{checkpoint.PARAMS_DIR}/ is missing .*convert the model again"):
+        load_target(out)
+
+
+def test_converted_folder_as_source_is_named(target):
+    convert(target, target.parent / "out", progress=False)
+    with pytest.raises(ValueError, match="out is already a converted folder"):
+        convert(target.parent / "out", target.parent / "again", progress=False)
 
 
 def test_output_may_not_replace_the_source(target):

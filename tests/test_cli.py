@@ -269,3 +269,15 @@ def test_batch_file_lines_end_at_newlines_only(tmp_path):
     records = tmp_path / "prompts.jsonl"
     records.write_text(json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
     assert _read_prompts(argparse.Namespace(batch_file=str(records), prompt=None)) == ["a\u2028b"]
+
+
+def test_cli_warnings_print_as_one_line():
+    import warnings
+
+    from dflash_jax.cli import one_line_warnings
+
+    before = warnings.formatwarning
+    with one_line_warnings():
+        assert warnings.formatwarning("made for 36 layers", UserWarning, "x.py", 3) == "warning: made for 36 layers\n"
+        assert warnings.formatwarning("old", DeprecationWarning, "x.py", 3) == "DeprecationWarning: old\n"
+    assert warnings.formatwarning is before

@@ -146,6 +146,31 @@ def test_unsupported_target_settings(overrides, message):
         ModelConfig.from_hf(qwen3_raw(**overrides))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(hidden_size=[32]), r"'hidden_size' must be an integer, got \[32\]"),
+    (dict(num_hidden_layers=2.5), "'num_hidden_layers' must be an integer"),
+    (dict(rms_norm_eps="1e-6"), "'rms_norm_eps' must be a number"),
+    (dict(rope_parameters="x"), "'rope_parameters' must be an object"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": True}), "'rope_theta' must be a number"),
+    (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    (dict(layer_types="full_attention"), "'layer_types' must be a list"),
+    (dict(eos_token_id="2"), "'eos_token_id' must be an integer"),
+    (dict(use_sliding_window=True, sliding_window="4096"), "'sliding_window' must be an integer"),
+], ids=["hidden-list", "layers-float", "eps-str", "rope-str", "theta-bool", "tied-str", "layer-types-str",
+        "eos-str", "window-str"])
+def test_wrongly_typed_target_field_is_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(qwen3_raw(**overrides))
+
+
+def test_integral_floats_are_integers_and_max_position_defaults_as_transformers():
+    raw = qwen3_raw(hidden_size=32.0)
+    del raw["max_position_embeddings"]
+    config = ModelConfig.from_hf(raw)
+    assert config.hidden_size == 32 and isinstance(config.hidden_size, int)
+    assert config.max_position_embeddings == 32768  # Qwen3Config's default
+
+
 def test_load_target_config_checks_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(qwen3_raw(model_type="llama")))
     with pytest.raises(ConfigError, match="llama"):
@@ -226,6 +251,21 @@ def test_zlab_draft_errors(edit, message):
     edit(raw)
     with pytest.raises(ConfigError, match=message):
         DraftConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: zlab_raw(dflash_config=[1]), "'dflash_config' must be an object"),
+    (lambda: zlab_raw(dflash_config={"mask_token_id": 5, "target_layer_ids": "1,2"}),
+     "dflash_config: field 'target_layer_ids' must be an integer"),
+    (lambda: zlab_raw(dflash_config={"mask_token_id": "5", "target_layer_ids": [1]}), "'mask_token_id' must be an integer"),
+    (lambda: zlab_raw(is_causal="no"), "'is_causal' must be true or false"),
+    (lambda: speculators_raw(transformer_layer_config="x"), "'transformer_layer_config' must be an object"),
+    (lambda: speculators_raw(aux_hidden_state_layer_ids=["a"]), "'aux_hidden_state_layer_ids' must be an integer"),
+    (lambda: speculators_raw(block_size=[8]), "'block_size' must be an integer"),
+], ids=["dflash-list", "ids-str", "mask-str", "causal-str", "layers-str", "aux-str", "block-list"])
+def test_wrongly_typed_draft_field_is_named(make, message):
+    with pytest.raises(ConfigError, match=message):
+        DraftConfig.from_hf(make())
 
 
 def test_speculators_draft_config(tmp_path):
