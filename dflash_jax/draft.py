@@ -99,16 +99,19 @@ def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams,
 def draft_logits(params: DraftParams, config: DraftConfig, target: TargetParams,
                  hidden: jax.Array) -> jax.Array:
     """Logits over the target vocabulary [..., V] (f32) from draft hidden states."""
+
+    def shaped(logits):  # the config's output multiplier and soft cap
+        if config.output_multiplier != 1.0:
+            logits = logits * config.output_multiplier
+        if config.final_logit_softcapping:
+            cap = config.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
+
     if params.lm_head is None:
-        logits = target_logits(target, hidden)
-    else:  # reduced draft vocabulary: scatter to target ids, others impossible
-        small = jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
-        target_ids = jnp.arange(small.shape[-1]) + params.d2t
-        logits = jnp.full((*small.shape[:-1], config.model.vocab_size), -jnp.inf, jnp.float32)
-        logits = logits.at[..., target_ids].set(small)
-    if config.output_multiplier != 1.0:
-        logits = logits * config.output_multiplier
-    if config.final_logit_softcapping:
-        cap = config.final_logit_softcapping
-        logits = jnp.tanh(logits / cap) * cap
-    return logits
+        return shaped(target_logits(target, hidden))
+    # reduced draft vocabulary: scatter to target ids after shaping; the others stay impossible
+    small = jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    target_ids = jnp.arange(small.shape[-1]) + params.d2t
+    logits = jnp.full((*small.shape[:-1], config.model.vocab_size), -jnp.inf, jnp.float32)
+    return logits.at[..., target_ids].set(shaped(small))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -39,6 +40,8 @@ class GenerationStats:
     compile_seconds: float
     prefill_seconds: float
     decode_seconds: float
+    # per sequence: "stop" (ended at a stop token) or "length" (cut at its max_new_tokens)
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -84,7 +87,8 @@ class GenerationStats:
                 "new_tokens": self.new_tokens, "histogram": self.histogram(),
                 "position_acceptance": self.position_acceptance(),
                 "tokens_per_second": self.tokens_per_second, "time_to_first_token": self.prefill_seconds,
-                "decode_seconds": self.decode_seconds, "compile_seconds": self.compile_seconds}
+                "decode_seconds": self.decode_seconds, "compile_seconds": self.compile_seconds,
+                "finish_reasons": self.finish_reasons}
 
 
 @dataclasses.dataclass
@@ -143,6 +147,7 @@ class PreparedGeneration:
                           self.target.params.embed.dtype)
 
     def prefill(self, seed: int = 0) -> DecodeState:
+        check_seed(seed)
         return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
                                jax.random.key(seed))
 
@@ -173,11 +178,13 @@ class PreparedGeneration:
                 break
         decode_seconds = time.perf_counter() - start
 
-        steps, accept = jax.device_get((state.steps, state.accept_lengths))
+        steps, accept, stops = jax.device_get((state.steps, state.accept_lengths, self.inputs[3]))
+        finish = ["stop" if counts[i] and out[i, counts[i] - 1] in set(stops[i].tolist()) - {-1} else "length"
+                  for i in range(batch)]
         stats = GenerationStats(accept_lengths=[accept[i, :steps[i]].tolist() for i in range(batch)],
                                 new_tokens=counts.tolist(), block_size=self.config.block_size,
                                 compile_seconds=self.compile_seconds, prefill_seconds=prefill_seconds,
-                                decode_seconds=decode_seconds)
+                                decode_seconds=decode_seconds, finish_reasons=finish)
         return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
 
 
@@ -217,12 +224,19 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     check_kernel_shapes(impl, configs, page_size, config.block_size)
     lens = [len(p) for p in prompts]
     limit = target.config.max_position_embeddings
-    if max(n + m for n, m in zip(lens, max_new)) > limit:
-        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings ({limit})")
+    for i, (n, m) in enumerate(zip(lens, max_new)):
+        if n + m > limit:
+            fits = (f"at most {limit - n} new tokens fit after it" if n < limit
+                    else "the prompt alone is too long")
+            raise ValueError(f"prompt {i} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
+                             f"more than the target's max_position_embeddings {limit} ({fits})")
     padded_len = _round_up(max(lens), page_size)
-    # Every position a sequence may touch: its padded prompt, and its last block.
-    touched = [max(padded_len, n + m + config.block_size) for n, m in zip(lens, max_new)]
+    # Pages for every position a sequence may write: its prompt and its last block. The prefill
+    # runs every row padded to the longest prompt; padding positions past a row's pages map to
+    # the sentinel page, whose writes are dropped, and their outputs are never read.
+    touched = [n + m + config.block_size for n, m in zip(lens, max_new)]
     page_table, num_pages = allocate_pages(touched, page_size, num_pages)
+    check_cache_fits(target, draft, num_pages, page_size)
 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
@@ -316,6 +330,32 @@ def _jsonl_prompt(line: str, where: str) -> str:
     return record["prompt"]
 
 
+def check_cache_fits(target: Target, draft: Draft | None, num_pages: int, page_size: int) -> None:
+    """ValueError when the paged KV cache (target and draft layers) would not fit in the device
+    memory left beside what is already there (the weights), as far as the device reports it
+    (GPUs do; CPUs report nothing)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if not stats.get("bytes_limit"):
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    itemsize = jnp.dtype(target.params.embed.dtype).itemsize
+    configs = [(target.config, target.config.num_layers)]
+    if draft is not None:
+        configs.append((draft.config.model, draft.config.model.num_layers))
+    kv = num_pages * page_size * itemsize * sum(2 * c.num_kv_heads * c.head_dim * layers for c, layers in configs)
+    if kv > free:
+        raise ValueError(f"the KV cache needs {kv / 2**30:.2f} GiB ({num_pages * page_size} token slots: each "
+                         f"sequence's prompt + max_new_tokens + a block) and the device has {free / 2**30:.2f} "
+                         "GiB free beside the weights: use fewer prompts per batch or a smaller max_new_tokens")
+
+
+def check_seed(seed) -> None:
+    """ValueError unless ``seed`` is an int in [0, 2**32): jax.random.key takes it modulo 2**32,
+    so any other value would silently repeat another seed's samples."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
 def _check_flags(args, draft_dir) -> None:
     """Reject bad numeric flags before any model is loaded (the library checks them too, later)."""
     for flag in ("max_new_tokens", "page_size", "chunk_steps", "steps_per_check"):
@@ -324,6 +364,7 @@ def _check_flags(args, draft_dir) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size is not None and draft_dir is None:
         raise ValueError("--block-size needs a draft")
+    check_seed(args.seed)
     if args.steps_per_check is not None:
         check_steps_per_check(args.chunk_steps, args.steps_per_check)
     if args.stats_json:
@@ -331,6 +372,18 @@ def _check_flags(args, draft_dir) -> None:
             raise IsADirectoryError(f"--stats-json {args.stats_json} is a folder: give a file name")
         if not Path(args.stats_json).parent.is_dir():
             raise FileNotFoundError(f"--stats-json {args.stats_json}: its folder does not exist")
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_error():
+    """A device allocation failure (XLA's RESOURCE_EXHAUSTED) as a ValueError saying what to cut."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise ValueError(f"out of device memory ({str(error).splitlines()[0][:200]}): use fewer prompts per "
+                         "batch or a smaller --max-new-tokens") from error
 
 
 def _format(value: float | None, template: str) -> str:
@@ -343,6 +396,9 @@ def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None
     print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s decode, "
           f"time to first token {stats.time_to_first_token * 1e3:.1f} ms "
           f"(compile {stats.compile_seconds:.1f} s, not counted)", file=sys.stderr)
+    stopped = stats.finish_reasons.count("stop")
+    print(f"[{label}] finished: {stopped} at a stop token, {len(stats.finish_reasons) - stopped} cut at "
+          "--max-new-tokens", file=sys.stderr)
     if with_draft:
         hist = stats.histogram()
         print(f"[{label}] tau (mean accepted length, bonus included) {_format(stats.tau, '{:.2f}')} over "
@@ -377,7 +433,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-check", type=int, default=None,
                    help="decode steps between the loop's checks for finished sequences (must divide "
                         "--chunk-steps; default: the largest of 4, 2, 1 that does)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed in [0, 2**32): the same seed repeats a run's samples")
     p.add_argument("--stats-json", help="write the statistics here")
     return p
 
@@ -433,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                                     if draft else ", no draft") + f", jax {jax.__version__} on "
           f"{jax.devices()[0].device_kind}", file=sys.stderr)
 
+    @_out_of_memory_as_error()
     def run(use_draft: Draft | None, stream: bool) -> GenerationResult:
         # Prepared (checked and compiled) before the prompt is echoed, so a bad setting is one
         # error line, not a half-printed answer.
@@ -460,7 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     _print_stats("dflash" if draft else "plain", result, draft is not None)
     summary = {"dflash" if draft else "plain": result.stats.summary()}
     if draft is not None and args.baseline:
-        base = run(None, False)
+        try:
+            base = run(None, False)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         _print_stats("plain", base, False)
         rates = result.stats.tokens_per_second, base.stats.tokens_per_second
         # Undefined when a run decoded nothing after its first token (max_new_tokens 1, early stops).

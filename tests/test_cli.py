@@ -83,6 +83,9 @@ def test_cli_batch_file_and_chat(model_dirs, tmp_path):
     (["--block-size", "9"], "--block-size must be in [2, 4] (the draft's trained block size), got 9"),
     (["--block-size", "0"], "--block-size must be in [2, 4] (the draft's trained block size), got 0"),
     (["--prompt", ""], "--prompt is empty"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--seed", str(2**32)], "seed must be an integer in [0, 2**32), got 4294967296"),
+    (["--seed", "-1"], "seed must be an integer in [0, 2**32), got -1"),
 ])
 def test_cli_errors_are_one_line(model_dirs, args, message):
     target_dir, draft_dir = model_dirs

@@ -136,6 +136,9 @@ def test_lossless_and_reference_parity_with_stops_and_cuts(spec_pair, baseline, 
         ref_tokens, ref_accept = reference(pair.hf_draft, pair.hf_target, prompt, max_new[b], stops[b], block)
         assert cut_run.tokens[b] == ref_tokens, f"sequence {b} vs reference"
         assert cut_run.stats.accept_lengths[b] == ref_accept, f"sequence {b} acceptance vs reference"
+        ended_at_stop = bool(want) and want[-1] in stops[b]
+        assert cut_run.stats.finish_reasons[b] == ("stop" if ended_at_stop else "length"), f"sequence {b}"
+    assert cut_run.stats.finish_reasons[:3] == ["length", "length", "stop"]
     # the cuts really fell inside steps: the last step emitted less than the uncut run did there
     for b in (1, 2):
         last = len(cut_run.stats.accept_lengths[b]) - 1
@@ -170,6 +173,8 @@ def test_stop_lists_first_token_stop_and_streaming(spec_pair, baseline):
         ref_tokens, ref_accept = reference(pair.hf_draft, pair.hf_target, prompt, MAX_NEW, stops[b])
         assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept
     assert out.tokens[0] == [expected[0][0]] and out.stats.accept_lengths[0] == []
+    assert out.stats.finish_reasons[0] == "stop" and out.stats.finish_reasons[3] == "length"
+    assert out.stats.summary()["finish_reasons"] == out.stats.finish_reasons
     # streaming: every chunk extends the previous one, the last equals the result
     assert len(chunks) >= 2
     for earlier, later in zip(chunks, chunks[1:]):
@@ -446,8 +451,62 @@ def test_generate_rejects_mismatched_draft_before_compute(spec_pair, change, mes
         generate(spec_pair.target, [[1, 2, 3]], draft=Draft(bad, None), max_new_tokens=4, impl="reference")
 
 
+def test_pages_follow_each_rows_own_length_and_the_capacity_error_names_the_prompt(spec_pair, monkeypatch):
+    """A short prompt beside a long one gets pages for its own prompt and new tokens (the padded
+    prefill's extra positions fall on the sentinel page), and a prompt too long for the model's
+    positions is named with what would fit."""
+    from dflash_jax import generate as generate_module
+
+    class Allocated(Exception):
+        pass
+
+    def record(touched, page_size, num_pages):
+        raise Allocated(touched)
+
+    monkeypatch.setattr(generate_module, "allocate_pages", record)
+    block = spec_pair.draft.config.block_size
+    with pytest.raises(Allocated) as allocated:
+        generate(spec_pair.target, [[1], list(range(2, 90))], draft=spec_pair.draft, max_new_tokens=4,
+                 impl="reference")
+    assert allocated.value.args[0] == [1 + 4 + block, 88 + 4 + block]
+    limit = spec_pair.target.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompt 1 has 88 tokens: with max_new_tokens {limit - 80} it needs "
+                                         rf"{limit + 8} positions, .* \(at most {limit - 88} new tokens fit after it\)"):
+        generate(spec_pair.target, [[1], list(range(2, 90))], max_new_tokens=limit - 80, impl="reference")
+    with pytest.raises(ValueError, match="the prompt alone is too long"):
+        generate(spec_pair.target, [[1] * limit], max_new_tokens=1, impl="reference")
+
+
+def test_kv_cache_that_does_not_fit_the_device_is_refused(spec_pair, monkeypatch):
+    from dflash_jax import generate as generate_module
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 2**20, "bytes_in_use": 2**19}
+
+    monkeypatch.setattr(generate_module.jax, "devices", lambda: [Device()])
+    with pytest.raises(ValueError, match=r"the KV cache needs .* GiB .* and the device has 0.00 GiB free"):
+        generate(spec_pair.target, [[1, 2, 3]] * 8, draft=spec_pair.draft, max_new_tokens=200, impl="reference")
+
+
 @pytest.mark.parametrize("block", [0, 1, 17])
 def test_block_size_out_of_range(spec_pair, block):
     with pytest.raises(ValueError, match="block_size"):
         generate(spec_pair.target, [[1, 2, 3]], draft=spec_pair.draft, max_new_tokens=4, block_size=block,
                  impl="reference")
+
+
+def test_reduced_vocab_draft_logits_keep_other_ids_impossible_under_a_soft_cap():
+    """The multiplier and soft cap shape the draft vocabulary's logits before they are scattered
+    to target ids, so ids outside it stay -inf (a cap applied after would make them -cap)."""
+    from types import SimpleNamespace
+
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 8)), jnp.float32)
+    head = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)) * 10, jnp.float32)
+    params = SimpleNamespace(lm_head=head, d2t=jnp.asarray([1, 2, 4, 6], jnp.int32))   # target ids 1, 3, 6, 9
+    config = SimpleNamespace(output_multiplier=0.5, final_logit_softcapping=5.0, model=SimpleNamespace(vocab_size=12))
+    logits = np.asarray(draft_model.draft_logits(params, config, None, hidden))
+    inside = [1, 3, 6, 9]
+    expected = np.tanh(np.asarray(hidden @ head) * 0.5 / 5.0) * 5.0
+    np.testing.assert_allclose(logits[..., inside], expected, rtol=1e-6)
+    assert np.isneginf(np.delete(logits, inside, axis=-1)).all()

@@ -62,7 +62,8 @@ def test_tiny_temperature_is_argmax_not_nan():
 
 
 def test_sampling_config_validation_and_greedy():
-    for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+    for bad in (dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     assert SamplingConfig().greedy and not SamplingConfig(temperature=0.5).greedy
@@ -147,6 +148,25 @@ def test_accept_sampling_partial_overlap_is_exact():
     assert _gof(np.bincount(after, minlength=vocab)[2:], [0.25, 0.75]) > 1e-3
 
 
+def test_accept_sampling_residual_at_a_later_rejection():
+    """Three drafts, the first always accepted: a rejection at draft 1 or 2 samples the residual
+    of that position's p and q (one token each time here), and full acceptance the bonus from p."""
+    vocab = 4
+    q = np.zeros((1, 3, vocab), np.float32)
+    q[0, 0, 0], q[0, 1, 1], q[0, 2, 3] = 1.0, 1.0, 1.0
+    p = np.zeros((1, 4, vocab), np.float32)
+    p[0, 0, 0] = 1.0
+    p[0, 1, 1:3] = [0.5, 0.5]            # accept draft 1 w.p. .5, else the residual is token 2
+    p[0, 2, [0, 3]] = [0.25, 0.75]       # accept draft 2 w.p. .75, else the residual is token 0
+    p[0, 3, 2:] = [0.4, 0.6]             # the bonus after all three
+    accepted, bonus = _run_accept(jnp.asarray(p), jnp.asarray(q), jnp.asarray([[0, 1, 3]]), jnp.asarray([4]),
+                                  trials=8000)
+    accepted, bonus = accepted[:, 0], bonus[:, 0]
+    assert _gof(np.bincount(accepted, minlength=4)[1:], [0.5, 0.125, 0.375]) > 1e-3 and (accepted >= 1).all()
+    assert (bonus[accepted == 1] == 2).all() and (bonus[accepted == 2] == 0).all()
+    assert _gof(np.bincount(bonus[accepted == 3], minlength=vocab)[2:], [0.4, 0.6]) > 1e-3
+
+
 def test_sample_probs_never_picks_zero_probability():
     probs = jnp.asarray([[0.0, 0.2, 0.0, 0.8]] * 4096, jnp.float32)
     picked = np.asarray(sample_probs(jax.random.key(3), probs))
@@ -158,7 +178,7 @@ def test_sample_probs_never_picks_zero_probability():
 
 VOCAB = 16
 PROMPT = [2, 7, 1, 8, 2]
-NEW = 4                    # t1 from prefill, t2..t4 from the first speculative step (block 4)
+NEW = 4                    # t1 from prefill, t2..t4 from the speculative steps (block 4)
 SAMPLES = 8192
 
 
@@ -267,10 +287,11 @@ def _chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def _sample(tiny, sampling, *, draft=True, seed=0, accept_replay=None):
+def _sample(tiny, sampling, *, draft=True, seed=0, accept_replay=None, block_size=None):
     target, draft_model = tiny[:2]
     out = generate(target, [PROMPT] * SAMPLES, draft=draft_model if draft else None, max_new_tokens=NEW,
-                   sampling=sampling, seed=seed, impl="reference", accept_replay=accept_replay)
+                   sampling=sampling, seed=seed, impl="reference", accept_replay=accept_replay,
+                   block_size=block_size)
     tokens = np.array(out.tokens)
     assert tokens.shape == (SAMPLES, NEW)
     return tokens, out
@@ -307,6 +328,17 @@ def test_speculative_sampling_is_exact_in_distribution(tiny, name):
     assert abs(rate - expected) < 4.5 * np.sqrt(expected * (1 - expected) / len(first_step)), (rate, expected)
     p3, p4 = _pvalues(tokens, joint3, t4)
     assert p3 > 1e-3 and p4 > 1e-3, f"{name}: joint(t1..t3) p={p3:.3g}, t4 p={p4:.3g}"
+
+
+def test_speculative_sampling_at_block_2_is_exact_in_distribution(tiny):
+    """Block 2: a step that accepts its one draft emits the bonus from p (at block 4 with NEW = 4
+    that bonus is always cut by max_new_tokens)."""
+    config = SAMPLING_CASES["t1.0"]
+    joint3, t4 = _exact(tiny[3], tiny[2], config.temperature, config.top_p, config.top_k)
+    tokens, out = _sample(tiny, config, seed=15, block_size=2)
+    assert np.mean([length == 2 for seq in out.stats.accept_lengths for length in seq]) > 0.2
+    p3, p4 = _pvalues(tokens, joint3, t4)
+    assert p3 > 1e-3 and p4 > 1e-3, f"block 2: joint(t1..t3) p={p3:.3g}, t4 p={p4:.3g}"
 
 
 def test_plain_sampling_is_exact_in_distribution(tiny):
