@@ -302,7 +302,7 @@ class DraftConfig:
 def read_json(path: str | Path) -> Any:
     """A JSON file of a model folder; ConfigError naming the file when it does not parse."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not valid JSON ({error})") from error
 

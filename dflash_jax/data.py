@@ -49,7 +49,8 @@ def source_files(root: str | Path) -> tuple[list[Path], list[Path]]:
     as ``HELDOUT_RULE`` says: ``is_heldout`` files, or, in a small folder where none is, one file
     (so that every folder of two or more files has an evaluation split)."""
     root = Path(root)
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    files = sorted(p for p in root.rglob("*.py")
+                   if p.is_file() and "site-packages" not in p.relative_to(root).parts)  # no dangling links
     if not files:
         raise FileNotFoundError(f"no *.py files under {root}")
     if len(files) == 1:
@@ -71,8 +72,9 @@ def corpus_manifest(root: Path, heldout: Sequence[Path]) -> dict:
 
 
 def read_texts(paths: Iterable[Path]) -> list[str]:
-    """UTF-8 text of each file (undecodable bytes replaced); empty files skipped."""
-    texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in paths]
+    """UTF-8 text of each file (a byte-order mark dropped, undecodable bytes replaced); empty
+    files skipped."""
+    texts = [Path(p).read_text(encoding="utf-8-sig", errors="replace") for p in paths]
     return [t for t in texts if t.strip()]
 
 
@@ -124,10 +126,16 @@ def load_tokenizer(directory: str | Path):
 
 
 def encode_documents(tokenizer, texts: Sequence[str], eos_id: int | None) -> list[np.ndarray]:
-    """Token ids of each text, <|endoftext|> appended when ``eos_id`` is given."""
+    """Token ids of each text, <|endoftext|> appended when ``eos_id`` is given. Special-token
+    strings in the text (source code may spell "<|endoftext|>") are encoded as plain text: the
+    only control tokens in training rows are the ones the recipe puts there."""
     tail = [] if eos_id is None else [eos_id]
-    return [np.asarray(enc.ids + tail, np.int32)
-            for enc in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    previous, tokenizer.encode_special_tokens = tokenizer.encode_special_tokens, True
+    try:
+        encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = previous
+    return [np.asarray(enc.ids + tail, np.int32) for enc in encodings]
 
 
 # ---------------------------------------------------------------------------------------------

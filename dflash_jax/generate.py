@@ -304,13 +304,21 @@ def _read_prompts(args) -> list[str]:
             raise ValueError("--prompt is empty")
         return [args.prompt]
     path = Path(args.batch_file)
+    if path.is_dir():
+        raise IsADirectoryError(f"--batch-file {path} is a folder: give a .txt or .jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"--batch-file {path} does not exist")
-    # Lines end at "\n" only: str.splitlines would also split at form feeds, U+2028 and the like,
-    # which prompts (and JSON strings) may hold.
-    text = path.read_text(encoding="utf-8")
-    lines = [(number, line.removesuffix("\r")) for number, line in enumerate(text.split("\n"), 1)
-             if line.strip()]
+    if path.suffix.lower() == ".json":
+        raise ValueError(f"--batch-file {path}: a .json file is not read as JSON; write one "
+                         '{"prompt": ...} object per line in a .jsonl file')
+    try:  # utf-8-sig: a byte-order mark is not part of the first prompt
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--batch-file {path} is not UTF-8 text ({error})") from error
+    # Lines end at "\n", "\r\n" or "\r" (read_text's newline translation), not at form feeds,
+    # U+2028 and the like, where str.splitlines would also split: prompts and JSON strings may
+    # hold them.
+    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise ValueError(f"--batch-file {path} holds no prompts")
     if path.suffix.lower() != ".jsonl":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 from pathlib import Path
 
 import jinja2
+import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 from dflash_jax.config import read_json, token_ids
@@ -27,9 +30,6 @@ class Tokenizer:
         self.config = read_json(config_path) if config_path.is_file() else {}
         if not isinstance(self.config, dict):
             raise ValueError(f"{config_path} is not a JSON object")
-        template_file = directory / "chat_template.jinja"  # where newer transformers save it
-        self.chat_template = (template_file.read_text() if template_file.is_file()
-                              else _default_template(self.config.get("chat_template"), config_path))
         self.stop_token_ids = self._stop_tokens(directory)
 
     def _token_id(self, token) -> int | None:
@@ -55,22 +55,43 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        """chat_template.jinja (where newer transformers save it), else tokenizer_config.json's;
+        read when a chat is rendered, so a broken template does not stop plain prompts."""
+        template_file = self.directory / "chat_template.jinja"
+        if template_file.is_file():
+            return template_file.read_text(encoding="utf-8")
+        return _default_template(self.config.get("chat_template"), self.directory / "tokenizer_config.json")
+
     def apply_chat_template(self, user_message: str) -> str:
-        """Render one user turn with the generation prompt, as transformers would."""
-        if not self.chat_template:
+        """Render one user turn with the generation prompt, as transformers would: in a sandbox
+        (a model folder's template must not run code), with its globals and filters."""
+        template = self.chat_template
+        if not template:
             raise ValueError(f"{self.directory} has no chat template (neither chat_template.jinja nor a "
                              "chat_template in tokenizer_config.json); drop --chat")
-        # as transformers renders templates: loop controls ({% break %}) on
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
-                                 extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+            return env.from_string(template).render(
+                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
+                tools=None, documents=None, **special)
         except jinja2.TemplateError as error:
             raise ValueError(f"{self.directory}: chat template failed: {error}") from error
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' tojson: plain json.dumps (jinja2's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 def _default_template(template, where: Path) -> str | None:
@@ -91,17 +112,25 @@ def _raise(message: str):
 
 
 class TextStream:
-    """Incremental detokenization: the pieces it returns join to the decoded text of all the ids."""
+    """Incremental detokenization: the pieces it returns join to the decoded text of all the ids.
+
+    Only the tokens since the last complete line are decoded again at each update (byte-level
+    BPE, as Qwen3's, decodes a line on its own exactly as within the whole text), so a long
+    stream costs linear, not quadratic, time."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.printed = tokenizer, ""
+        self.tokenizer, self.line_start, self.printed = tokenizer, 0, ""
 
     def update(self, ids: list[int], *, final: bool = False) -> str:
         """The text of ``ids`` (all tokens so far) not returned yet. Unless ``final``, text that
         ends in a partial UTF-8 character (U+FFFD) is held back until more tokens complete it;
         ``final`` returns the rest as it is."""
-        text = self.tokenizer.decode(ids)
+        text = self.tokenizer.decode(ids[self.line_start:])
         if text.endswith("\ufffd") and not final:
             return ""
-        new, self.printed = text[len(self.printed):], text
+        new = text[len(self.printed):]
+        if text.endswith("\n"):
+            self.line_start, self.printed = len(ids), ""
+        else:
+            self.printed = text
         return new

@@ -274,6 +274,64 @@ def test_batch_file_lines_end_at_newlines_only(tmp_path):
     assert _read_prompts(argparse.Namespace(batch_file=str(records), prompt=None)) == ["a\u2028b"]
 
 
+def test_batch_file_byte_order_mark_json_encoding_and_folder(tmp_path):
+    import argparse
+
+    from dflash_jax.generate import _read_prompts
+
+    def read(path):
+        return _read_prompts(argparse.Namespace(batch_file=str(path), prompt=None))
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffHello\nWorld\n".encode())
+    assert read(tmp_path / "bom.txt") == ["Hello", "World"]
+    (tmp_path / "bom.jsonl").write_bytes('\ufeff{"prompt": "a"}\n'.encode())
+    assert read(tmp_path / "bom.jsonl") == ["a"]
+    (tmp_path / "prompts.json").write_text('[{"prompt": "a"}]')
+    with pytest.raises(ValueError, match=r"a \.json file is not read as JSON"):
+        read(tmp_path / "prompts.json")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.txt is not UTF-8 text"):
+        read(tmp_path / "latin.txt")
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        read(tmp_path)
+
+
+def test_chat_template_runs_sandboxed_with_transformers_globals(tmp_path):
+    """A model folder's template cannot run code; tools/documents are None, tojson does not
+    escape HTML, strftime_now exists (as in transformers); a broken template only stops --chat."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    marker = tmp_path / "PWNED"
+    evil = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+    folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": evil}))
+    with pytest.raises(ValueError, match="chat template failed"):
+        Tokenizer(folder).apply_chat_template("hi")
+    assert not marker.exists()
+    template = ("{% if tools is not none or documents is not none %}TOOLS{% endif %}{{ messages | tojson }}"
+                "{{ strftime_now('%Y') | length }}")
+    folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": template}))
+    assert Tokenizer(folder).apply_chat_template("<a & ü>") == '[{"role": "user", "content": "<a & ü>"}]4'
+    broken = {"chat_template": [{"name": "tool_use", "template": "x"}], "eos_token": "<|endoftext|>"}
+    tokenizer = Tokenizer(_tokenizer_folder(tmp_path, tokenizer_config=json.dumps(broken)))
+    assert tokenizer.stop_token_ids and tokenizer.encode("x")
+    with pytest.raises(ValueError, match="one named 'default'"):
+        tokenizer.apply_chat_template("hi")
+
+
+def test_text_stream_across_lines_joins_to_the_whole_text():
+    from dflash_jax.generate import DEFAULT_MODEL
+    from dflash_jax.tokenizer import TextStream, Tokenizer
+
+    tokenizer = Tokenizer(DEFAULT_MODEL / "target")
+    ids = tokenizer.encode("def f():\n    return '日本'\n\n\nx = f()  # é\n")
+    for step in (1, 2, 3, 5):
+        stream = TextStream(tokenizer)
+        cuts = list(range(step, len(ids), step)) + [len(ids)]
+        pieces = [stream.update(ids[:n], final=n == len(ids)) for n in cuts]
+        assert "".join(pieces) == tokenizer.decode(ids)
+        assert "\ufffd" not in "".join(pieces[:-1])
+
+
 def test_cli_warnings_print_as_one_line():
     import warnings
 

@@ -492,3 +492,23 @@ def test_schedule_and_time_budget(tmp_path):
     total = json.loads((tmp_path / "slowing" / "schedule.json").read_text())["total_steps"]
     assert int(state.step) == len(history) == total and seconds < 3.0  # unchecked: ~5.6 s
     assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
+
+
+def test_corpus_special_token_strings_stay_text_and_dangling_links_are_skipped(tmp_path):
+    """Source code that spells a special token trains on its text, not on the control token; a
+    dangling *.py link or a folder named *.py is not a corpus file."""
+    from dflash_jax.generate import DEFAULT_MODEL
+
+    tokenizer = data.load_tokenizer(DEFAULT_MODEL / "target")
+    eos = tokenizer.token_to_id(data.EOS_TOKEN)
+    text = f's = "{data.EOS_TOKEN}"  # and <|mask|>'
+    ids = data.encode_documents(tokenizer, [text], eos_id=eos)[0].tolist()
+    assert ids[-1] == eos and eos not in ids[:-1] and tokenizer.token_to_id("<|mask|>") not in ids
+    assert tokenizer.decode(ids[:-1]) == text
+    assert tokenizer.encode(data.EOS_TOKEN).ids == [eos]  # the tokenizer's own setting is restored
+    for name in ("a.py", "c.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "stale.py").symlink_to(tmp_path / "gone.py")
+    (tmp_path / "pkg.py").mkdir()
+    train, heldout = data.source_files(tmp_path)
+    assert sorted(p.name for p in train + heldout) == ["a.py", "c.py"]
