@@ -308,7 +308,8 @@ def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fal
 
 # Tensors of a full-vocabulary speculators draft that this library does not keep: copies of the
 # target's embedding and LM head, and identity id maps.
-SPECULATORS_COPIES = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
+SPECULATORS_HEAD_COPIES = ("embed_tokens.weight", "lm_head.weight")
+SPECULATORS_COPIES = SPECULATORS_HEAD_COPIES + ("d2t", "t2d")
 
 
 def _check_identity_d2t(directory: Path) -> None:
@@ -323,7 +324,7 @@ def _check_identity_d2t(directory: Path) -> None:
 
 def speculators_copies(directory: str | Path) -> list[str]:
     """Names of the embedding / LM head copies a full-vocabulary speculators draft carries."""
-    return [name for name, _, _ in iter_tensors(Path(directory)) if name in SPECULATORS_COPIES[:2]]
+    return [name for name, _, _ in iter_tensors(Path(directory)) if name in SPECULATORS_HEAD_COPIES]
 
 
 def check_speculators_copies(directory: str | Path, target: TargetParams) -> None:

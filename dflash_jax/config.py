@@ -36,8 +36,9 @@ def _field(raw: dict, name: str, where: str, kind: type, default: Any = _REQUIRE
     return value
 
 
-def _int_list(raw: dict, name: str, where: str, default: Any = _REQUIRED) -> Any:
-    """A list of integers (or a single integer) as a tuple; ConfigError naming the field."""
+def int_list(raw: dict, name: str, where: str, default: Any = _REQUIRED) -> Any:
+    """A list of integers (or a single integer; null entries skipped) as a tuple, such as an
+    ``eos_token_id``; ConfigError naming the field and ``where`` for anything else."""
     value = raw.get(name)
     if value is None:
         return _field(raw, name, where, list, default)
@@ -57,13 +58,6 @@ def _rope_theta(raw: dict, where: str) -> float:
     if raw.get("rope_theta") is None:
         raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
     return _field(raw, "rope_theta", where, float)
-
-
-def token_ids(value) -> tuple[int, ...]:
-    """An int, a list of ints or None (null entries of a list are skipped) as a tuple."""
-    if value is None:
-        return ()
-    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +137,7 @@ class ModelConfig:
             max_position_embeddings=_field(raw, "max_position_embeddings", where, int, 32768),
             sliding_window=window,
             layer_types=tuple(str(kind) for kind in layer_types),
-            eos_token_ids=_int_list(raw, "eos_token_id", where, ()),
+            eos_token_ids=int_list(raw, "eos_token_id", where, ()),
         )
 
 
@@ -163,8 +157,10 @@ def is_draft_config(raw: dict[str, Any]) -> bool:
 
 def _architectures(raw: dict[str, Any]) -> list[str]:
     """config.json's ``architectures`` as a list of names (a lone string counts as one)."""
-    names = raw.get("architectures") or []
-    return [str(name) for name in ([names] if isinstance(names, str) else names)] if isinstance(names, (str, list)) else []
+    names = raw.get("architectures")
+    if isinstance(names, str):
+        names = [names]
+    return [str(name) for name in names] if isinstance(names, list) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +213,7 @@ class DraftConfig:
             return (dflash, name, f"{where} dflash_config") if dflash.get(name) is not None else (raw, name, where)
 
         model = ModelConfig.from_hf(raw, where)
-        ids = _int_list(*at("target_layer_ids"), None)
+        ids = int_list(*at("target_layer_ids"), None)
         num_target_layers = _field(raw, "num_target_layers", where, int, None)
         if ids is None:
             if num_target_layers is None:
@@ -252,7 +248,7 @@ class DraftConfig:
             if key not in layer_raw and key in raw:
                 layer_raw[key] = raw[key]
         model = ModelConfig.from_hf(layer_raw, f"{where} transformer_layer_config")
-        aux = _int_list(raw, "aux_hidden_state_layer_ids", where)
+        aux = int_list(raw, "aux_hidden_state_layer_ids", where)
         if min(aux, default=1) < 1:
             raise ConfigError(f"{where}: aux_hidden_state_layer_ids {list(aux)} must be >= 1 (id k is the "
                               "output of target decoder layer k; 0, the embedding output, cannot be tapped)")

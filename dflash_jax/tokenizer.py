@@ -10,7 +10,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
-from dflash_jax.config import read_json, token_ids
+from dflash_jax.config import int_list, read_json
 
 
 class Tokenizer:
@@ -43,7 +43,7 @@ class Tokenizer:
             path = directory / name
             if path.is_file():
                 raw = read_json(path)
-                ids += token_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None)
+                ids += int_list(raw, "eos_token_id", str(path), ()) if isinstance(raw, dict) else ()
         eos_token = self._token_id(self.config.get("eos_token"))
         if eos_token is not None:
             ids.append(eos_token)
