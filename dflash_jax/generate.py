@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
-from dflash_jax.cache import allocate_pages, init_cache
+from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
 from dflash_jax.cli import one_line_warnings
 from dflash_jax.config import load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
@@ -236,7 +236,6 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     # the sentinel page, whose writes are dropped, and their outputs are never read.
     touched = [n + m + config.block_size for n, m in zip(lens, max_new)]
     page_table, num_pages = allocate_pages(touched, page_size, num_pages)
-    check_cache_fits(target, draft, num_pages, page_size)
 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
@@ -255,6 +254,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, page_table, num_pages, page_size,
                                   None, None, 0.0)
+    check_cache_fits(jax.eval_shape(prepared.new_cache))
     args = (target.params, prepared._draft_params, *inputs, prepared.new_cache(), jax.random.key(0))
     start = time.perf_counter()
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
@@ -338,23 +338,20 @@ def _jsonl_prompt(line: str, where: str) -> str:
     return record["prompt"]
 
 
-def check_cache_fits(target: Target, draft: Draft | None, num_pages: int, page_size: int) -> None:
-    """ValueError when the paged KV cache (target and draft layers) would not fit in the device
-    memory left beside what is already there (the weights), as far as the device reports it
-    (GPUs do; CPUs report nothing)."""
+def check_cache_fits(cache: PagedKVCache) -> None:
+    """ValueError when the paged KV cache (its shapes: target and draft layers) would not fit in
+    the device memory left beside what is already there (the weights), as far as the device
+    reports it (GPUs do; CPUs report nothing)."""
     stats = jax.devices()[0].memory_stats() or {}
     if not stats.get("bytes_limit"):
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    itemsize = jnp.dtype(target.params.embed.dtype).itemsize
-    configs = [(target.config, target.config.num_layers)]
-    if draft is not None:
-        configs.append((draft.config.model, draft.config.model.num_layers))
-    kv = num_pages * page_size * itemsize * sum(2 * c.num_kv_heads * c.head_dim * layers for c, layers in configs)
-    if kv > free:
-        raise ValueError(f"the KV cache needs {kv / 2**30:.2f} GiB ({num_pages * page_size} token slots: each "
-                         f"sequence's prompt + max_new_tokens + a block) and the device has {free / 2**30:.2f} "
-                         "GiB free beside the weights: use fewer prompts per batch or a smaller max_new_tokens")
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+    if needed > free:
+        raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
+                         "slots: each sequence's prompt + max_new_tokens + a block) and the device has "
+                         f"{free / 2**30:.2f} GiB free beside the weights: use fewer prompts per batch or a "
+                         "smaller max_new_tokens")
 
 
 def check_seed(seed) -> None:
