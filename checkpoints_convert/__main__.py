@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="HF model folder (config.json + safetensors)")
     parser.add_argument("out", help="output folder (created atomically)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored float dtype")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a converted (or empty) folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a model folder (or empty)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a kill cleans up as Ctrl-C does

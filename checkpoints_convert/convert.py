@@ -30,8 +30,8 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @contextlib.contextmanager
 def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield an empty hidden sibling directory of ``out``; when the block completes it becomes
-    ``out`` (replacing an existing one only with ``overwrite``, and then only a converted or
-    empty folder), with the umask's permissions on everything inside, and on any failure, Ctrl-C
+    ``out`` (replacing an existing one only with ``overwrite``, and then only a model folder or
+    an empty one), with the umask's permissions on everything inside, and on any failure, Ctrl-C
     included, it is removed and ``out`` is left as it was. The checks run again at the end, for
     an ``out`` that appeared meanwhile."""
     _check_replaceable(out, overwrite)
@@ -66,15 +66,15 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
 
 
 def _check_replaceable(out: Path, overwrite: bool) -> None:
-    """FileExistsError unless ``out`` is absent, or ``overwrite`` and it is an empty folder or
-    one this package converted (never a user's other folder)."""
+    """FileExistsError unless ``out`` is absent, or ``overwrite`` and it is an empty folder or a
+    model folder (HF or converted: config.json inside), never a user's other folder."""
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
         raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
-    if out.is_symlink() or not out.is_dir() or not (checkpoint.is_converted(out) or not any(out.iterdir())):
-        raise FileExistsError(f"{out} is not a converted model folder (no {checkpoint.MARKER_FILE}): "
-                              "refusing to replace it, even with --overwrite")
+    if out.is_symlink() or not out.is_dir() or not ((out / "config.json").is_file() or not any(out.iterdir())):
+        raise FileExistsError(f"{out} is not a model folder (no config.json): refusing to replace it, "
+                              "even with --overwrite")
 
 
 def _apply_umask_permissions(root: Path) -> None:

@@ -226,17 +226,22 @@ def test_existing_output_is_refused_before_any_work(target, monkeypatch):
     assert _only(out) == ["keep"]
 
 
-def test_overwrite_replaces_only_a_converted_or_empty_folder(target):
+def test_overwrite_replaces_only_a_model_or_empty_folder(target):
     out = target.parent / "out"
     out.mkdir()
     (out / "keep").write_text("mine")
-    with pytest.raises(FileExistsError, match="not a converted model folder .* even with --overwrite"):
+    with pytest.raises(FileExistsError, match="not a model folder .* even with --overwrite"):
         convert(target, out, overwrite=True, progress=False)
+    model = load_target(target)
+    with pytest.raises(FileExistsError, match="not a model folder"):
+        export_target(model.config, model.params, out, overwrite=True)
     assert _only(out) == ["keep"]
     (out / "keep").unlink()
-    convert(target, out, overwrite=True, progress=False)   # empty: replaced
-    convert(target, out, overwrite=True, progress=False)   # converted: replaced
+    convert(target, out, overwrite=True, progress=False)            # empty: replaced
+    convert(target, out, overwrite=True, progress=False)            # converted: replaced
     assert checkpoint.is_converted(out)
+    export_target(model.config, model.params, out, overwrite=True)  # a model folder: replaced
+    assert not checkpoint.is_converted(out) and (out / "model.safetensors").is_file()
 
 
 def test_output_that_appears_during_the_conversion_is_kept(target, monkeypatch):
