@@ -121,6 +121,12 @@ def draft_slots(config: DraftConfig) -> dict[str, Slot]:
     return slots
 
 
+# Tensors of a full-vocabulary speculators draft that this library does not keep: copies of the
+# target's embedding and LM head, and identity id maps.
+SPECULATORS_HEAD_COPIES = ("embed_tokens.weight", "lm_head.weight")
+SPECULATORS_COPIES = SPECULATORS_HEAD_COPIES + ("d2t", "t2d")
+
+
 def _key_path(path) -> tuple:
     return tuple(getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path)
 
@@ -304,12 +310,6 @@ def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = Fal
         _check_identity_d2t(directory)
     structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
     return config, _fill(structure, values)
-
-
-# Tensors of a full-vocabulary speculators draft that this library does not keep: copies of the
-# target's embedding and LM head, and identity id maps.
-SPECULATORS_HEAD_COPIES = ("embed_tokens.weight", "lm_head.weight")
-SPECULATORS_COPIES = SPECULATORS_HEAD_COPIES + ("d2t", "t2d")
 
 
 def _check_identity_d2t(directory: Path) -> None:
