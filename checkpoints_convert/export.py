@@ -31,8 +31,8 @@ DEFAULT_MAX_SHARD_MB = 5000  # as transformers' save_pretrained (5 GB shards)
 
 
 def _qwen3_fields(model: ModelConfig, dtype: str) -> dict[str, Any]:
-    """The Qwen3Config fields of a layer stack (``rope_parameters`` for transformers 5,
-    ``rope_theta`` for older readers)."""
+    """The Qwen3Config fields of a layer stack (``rope_parameters`` and ``dtype`` for
+    transformers 5, ``rope_theta`` and ``torch_dtype`` for older readers)."""
     sliding = "sliding_attention" in model.layer_types
     fields = {
         "model_type": "qwen3", "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
@@ -44,7 +44,7 @@ def _qwen3_fields(model: ModelConfig, dtype: str) -> dict[str, Any]:
         "max_position_embeddings": model.max_position_embeddings,
         "tie_word_embeddings": model.tie_word_embeddings, "layer_types": list(model.layer_types),
         "use_sliding_window": sliding, "sliding_window": model.sliding_window if sliding else None,
-        "dtype": dtype,
+        "dtype": dtype, "torch_dtype": dtype,
     }
     if model.eos_token_ids:
         ids = list(model.eos_token_ids)

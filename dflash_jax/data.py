@@ -11,6 +11,7 @@ import glob
 import json
 import sys
 import sysconfig
+import warnings
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -72,10 +73,23 @@ def corpus_manifest(root: Path, heldout: Sequence[Path]) -> dict:
 
 
 def read_texts(paths: Iterable[Path]) -> list[str]:
-    """UTF-8 text of each file (a byte-order mark dropped, undecodable bytes replaced); empty
-    files skipped."""
-    texts = [Path(p).read_text(encoding="utf-8-sig", errors="replace") for p in paths]
-    return [t for t in texts if t.strip()]
+    """UTF-8 text of each file (a byte-order mark dropped); empty files skipped. Undecodable
+    bytes become U+FFFD, and the files that hold them are named in a warning (a UTF-16 or
+    Latin-1 file would otherwise train as replacement characters unnoticed)."""
+    texts, not_utf8 = [], []
+    for path in paths:
+        data = Path(path).read_bytes()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            text = data.decode("utf-8-sig", errors="replace")
+            not_utf8.append(str(path))
+        if text.strip():
+            texts.append(text)
+    if not_utf8:
+        warnings.warn(f"{len(not_utf8)} file(s) are not UTF-8; their undecodable bytes read as U+FFFD: "
+                      + ", ".join(not_utf8[:5]) + (", ..." if len(not_utf8) > 5 else ""))
+    return texts
 
 
 def expand_paths(patterns: Sequence[str]) -> list[Path]:

@@ -27,6 +27,7 @@ from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, d
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.tokenizer import TextStream, Tokenizer, check_messages
 
 
 @dataclasses.dataclass
@@ -295,14 +296,18 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
 # ----------------------------------------------------------------------------- command line
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
-def _read_prompts(args) -> list[str]:
-    """--prompt, or the non-blank lines of --batch-file (.jsonl: the "prompt" of each object)."""
+def _read_prompts(args) -> list[str | list[dict]]:
+    """--prompt (a default when neither is given), or the non-blank lines of --batch-file: text
+    lines (.txt), or objects with a "prompt" string or a "messages" chat (.jsonl)."""
     if not args.batch_file:
-        if not args.prompt:
+        if args.prompt == "":
             raise ValueError("--prompt is empty")
-        return [args.prompt]
+        return [DEFAULT_PROMPT if args.prompt is None else args.prompt]
+    if args.prompt is not None:
+        raise ValueError("give --prompt or --batch-file, not both")
     path = Path(args.batch_file)
     if path.is_dir():
         raise IsADirectoryError(f"--batch-file {path} is a folder: give a .txt or .jsonl file")
@@ -326,16 +331,36 @@ def _read_prompts(args) -> list[str]:
     return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
 
 
-def _jsonl_prompt(line: str, where: str) -> str:
+def _jsonl_prompt(line: str, where: str) -> str | list[dict]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error})") from error
+    if isinstance(record, dict) and "messages" in record and "prompt" not in record:
+        try:
+            check_messages(record["messages"])
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        return record["messages"]
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        raise ValueError(f'{where}: expected an object with a "prompt" string, got {line.strip()[:60]}')
+        raise ValueError(f'{where}: expected an object with a "prompt" string or a "messages" list, '
+                         f"got {line.strip()[:60]}")
     if not record["prompt"]:
         raise ValueError(f"{where}: the prompt is empty")
     return record["prompt"]
+
+
+def _render_prompts(prompts: list[str | list[dict]], tokenizer, args) -> list[str]:
+    """The prompts as the text to encode: through the chat template under --chat (a text prompt
+    is one user turn, after the --system message if given), as they are otherwise."""
+    if not args.chat:
+        if any(isinstance(p, list) for p in prompts):
+            raise ValueError('--batch-file holds "messages" chats: add --chat to render them')
+        return prompts
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    thinking = False if args.no_thinking else None
+    return [tokenizer.apply_chat_template(p if isinstance(p, list) else [*system, {"role": "user", "content": p}],
+                                          enable_thinking=thinking) for p in prompts]
 
 
 def check_cache_fits(cache: PagedKVCache) -> None:
@@ -369,6 +394,9 @@ def _check_flags(args, draft_dir) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size is not None and draft_dir is None:
         raise ValueError("--block-size needs a draft")
+    for flag in ("system", "no_thinking"):
+        if getattr(args, flag) and not args.chat:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --chat")
     check_seed(args.seed)
     if args.steps_per_check is not None:
         check_steps_per_check(args.chunk_steps, args.steps_per_check)
@@ -419,9 +447,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="DFlash draft folder (z-lab or speculators format, or converted)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (baseline)")
     p.add_argument("--baseline", action="store_true", help="also run without the draft and compare")
-    p.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text")
-    p.add_argument("--batch-file", help="one prompt per line (.txt) or {\"prompt\": ...} per line (.jsonl)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--prompt", help=f"prompt text (default {DEFAULT_PROMPT!r})")
+    p.add_argument("--batch-file", help="one prompt per line (.txt), or per line an object with a "
+                                        "\"prompt\" string or a \"messages\" chat (.jsonl)")
+    p.add_argument("--chat", action="store_true", help="render the prompts with the tokenizer's chat template")
+    p.add_argument("--system", help="--chat: a system message before each text prompt")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="--chat: pass enable_thinking=false to the template (Qwen3: answer without a "
+                        "thinking section)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -455,8 +488,6 @@ def _first_difference(ours: list[list[int]], base: list[list[int]]) -> str:
 
 @one_line_warnings()
 def main(argv: list[str] | None = None) -> int:
-    from dflash_jax.tokenizer import TextStream, Tokenizer
-
     args = _parser().parse_args(argv)
     target_dir, draft_dir = args.target, args.draft
     if target_dir is None:
@@ -481,9 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
-        texts = _read_prompts(args)
-        if args.chat:
-            texts = [tokenizer.apply_chat_template(t) for t in texts]
+        texts = _render_prompts(_read_prompts(args), tokenizer, args)
         prompts = [tokenizer.encode(t) for t in texts]
         target = load_target(target_dir, args.dtype, progress=True)
         draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None

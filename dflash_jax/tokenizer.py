@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import warnings
 from pathlib import Path
 
 import jinja2
@@ -32,21 +33,29 @@ class Tokenizer:
             raise ValueError(f"{config_path} is not a JSON object")
         self.stop_token_ids = self._stop_tokens(directory)
 
-    def _token_id(self, token) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
-        return None if token is None else self._tok.token_to_id(token)
-
     def _stop_tokens(self, directory: Path) -> list[int]:
+        """eos_token_id of generation_config.json and config.json, and the eos_token of
+        tokenizer_config.json or special_tokens_map.json (transformers reads both)."""
         ids = []
         for name in ("generation_config.json", "config.json"):
             path = directory / name
             if path.is_file():
                 raw = read_json(path)
                 ids += int_list(raw, "eos_token_id", str(path), ()) if isinstance(raw, dict) else ()
-        eos_token = self._token_id(self.config.get("eos_token"))
-        if eos_token is not None:
-            ids.append(eos_token)
+        special_map = directory / "special_tokens_map.json"
+        for path, config in ((directory / "tokenizer_config.json", self.config),
+                             (special_map, read_json(special_map) if special_map.is_file() else {})):
+            token = config.get("eos_token") if isinstance(config, dict) else None
+            if isinstance(token, dict):
+                token = token.get("content")
+            if token is None:
+                continue
+            token_id = self._tok.token_to_id(token) if isinstance(token, str) else None
+            if token_id is None:
+                warnings.warn(f"{path}: eos_token {token!r} is not in the vocabulary; it does not stop "
+                              "generation")
+            else:
+                ids.append(token_id)
         return sorted(set(ids))
 
     def encode(self, text: str) -> list[int]:
@@ -64,13 +73,23 @@ class Tokenizer:
             return template_file.read_text(encoding="utf-8")
         return _default_template(self.config.get("chat_template"), self.directory / "tokenizer_config.json")
 
-    def apply_chat_template(self, user_message: str) -> str:
-        """Render one user turn with the generation prompt, as transformers would: in a sandbox
-        (a model folder's template must not run code), with its globals and filters."""
+    def apply_chat_template(self, messages: str | list[dict], *, enable_thinking: bool | None = None) -> str:
+        """Render a chat (a list of {"role", "content"} messages; a string is one user turn) with
+        the generation prompt, as transformers would: in a sandbox (a model folder's template
+        must not run code), with its globals and filters. ``enable_thinking`` is passed to
+        templates that read it (Qwen3's); one that does not is an error, not ignored."""
         template = self.chat_template
         if not template:
             raise ValueError(f"{self.directory} has no chat template (neither chat_template.jinja nor a "
                              "chat_template in tokenizer_config.json); drop --chat")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        check_messages(messages)
+        switches = {}
+        if enable_thinking is not None:
+            if "enable_thinking" not in template:
+                raise ValueError(f"{self.directory}: the chat template has no enable_thinking switch")
+            switches["enable_thinking"] = enable_thinking
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -79,10 +98,21 @@ class Tokenizer:
                    if k.endswith("_token") and isinstance(v, (str, dict))}
         try:
             return env.from_string(template).render(
-                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
-                tools=None, documents=None, **special)
+                messages=messages, add_generation_prompt=True, tools=None, documents=None,
+                **special, **switches)
         except jinja2.TemplateError as error:
             raise ValueError(f"{self.directory}: chat template failed: {error}") from error
+
+
+def check_messages(messages) -> None:
+    """A chat is a non-empty list of {"role": str, "content": str} objects."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"a chat must be a non-empty list of messages, got {str(messages)[:60]}")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError('each chat message must be an object with "role" and "content" strings, '
+                             f"got {str(message)[:60]}")
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:

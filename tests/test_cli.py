@@ -9,7 +9,8 @@ import torch
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
 
 
 def _write_tokenizer(folder):
@@ -67,13 +68,18 @@ def test_cli_streams_dflash_and_matches_baseline(model_dirs, tmp_path):
 
 
 def test_cli_batch_file_and_chat(model_dirs, tmp_path):
+    """A .jsonl of a text prompt (one user turn after --system) and a several-turn chat, under --chat."""
     target_dir, _ = model_dirs
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("def a\nclass B\n")
-    run = _cli("--target", target_dir, "--batch-file", prompts, "--chat", "--max-new-tokens", 5,
-               "--temperature", 0.8, "--top-k", 20)
+    prompts = tmp_path / "prompts.jsonl"
+    turns = [{"role": "user", "content": "def a"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "class B"}]
+    prompts.write_text(json.dumps({"prompt": "def a"}) + "\n" + json.dumps({"messages": turns}) + "\n")
+    run = _cli("--target", target_dir, "--batch-file", prompts, "--chat", "--system", "be brief",
+               "--no-thinking", "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 20)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.count("=== ") == 2 and "<|im_start|>user" in run.stdout
+    assert run.stdout.count("=== ") == 2 and run.stdout.count("<|im_start|>user") == 3
+    assert run.stdout.count("<|im_start|>system\\nbe brief") == 1  # only before the text prompt
+    assert run.stdout.count("<|im_start|>assistant\\nok") == 1 and run.stdout.count("<think>") == 2
 
 
 @pytest.mark.parametrize("args, message", [
@@ -181,6 +187,34 @@ def test_tokenizer_side_file_forms(tmp_path):
     assert tokenizer.stop_token_ids == [0]
 
 
+def test_tokenizer_stop_tokens_from_special_tokens_map_and_unknown_eos(tmp_path):
+    """special_tokens_map.json's eos_token stops generation (transformers reads it); an eos_token
+    outside the vocabulary is named in a warning, not dropped silently."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    folder = _tokenizer_folder(tmp_path, special_tokens_map='{"eos_token": {"content": "<|endoftext|>"}}')
+    assert Tokenizer(folder).stop_token_ids == [Tokenizer(folder)._tok.token_to_id("<|endoftext|>")]
+    folder = _tokenizer_folder(tmp_path, tokenizer_config='{"eos_token": "<|no such token|>"}',
+                               special_tokens_map="{}")
+    with pytest.warns(UserWarning, match="eos_token '<|no such token|>' is not in the vocabulary"):
+        assert Tokenizer(folder).stop_token_ids == []
+
+
+def test_chat_template_thinking_switch_and_message_checks(tmp_path):
+    from dflash_jax.tokenizer import Tokenizer
+
+    folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tokenizer = Tokenizer(folder)
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert tokenizer.apply_chat_template(chat, enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer.apply_chat_template(chat) == tokenizer.apply_chat_template(chat, enable_thinking=True)
+    with pytest.raises(ValueError, match="a chat must be a non-empty list"):
+        tokenizer.apply_chat_template([])
+    plain = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": "{{ messages }}"}))
+    with pytest.raises(ValueError, match="the chat template has no enable_thinking switch"):
+        Tokenizer(plain).apply_chat_template("hi", enable_thinking=False)
+
+
 @pytest.mark.parametrize("name", ["tokenizer_config", "generation_config"])
 def test_tokenizer_side_file_that_is_not_json_is_named(tmp_path, name):
     from dflash_jax.tokenizer import Tokenizer
@@ -241,8 +275,15 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
                                                                       "pass it as the draft (--draft)"),
     (["--draft", "{default}/target"], "holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)"),
+    (["--prompt", "x", "--batch-file", "{jsonl}"], "give --prompt or --batch-file, not both"),
+    (["--system", "be brief"], "--system needs --chat"),
+    (["--no-thinking"], "--no-thinking needs --chat"),
+    (["--batch-file", "{chat_jsonl}"], 'holds "messages" chats: add --chat to render them'),
+    (["--batch-file", "{bad_chat}"], 'bad_chat.jsonl:1: each chat message must be an object with "role" and '
+                                     '"content" strings'),
 ], ids=["chat", "jsonl", "empty", "blank-jsonl", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
-        "stats-json-folder", "steps-per-check", "upper-case-jsonl", "swapped", "target-as-draft"])
+        "stats-json-folder", "steps-per-check", "upper-case-jsonl", "swapped", "target-as-draft", "prompt-and-file",
+        "system-without-chat", "thinking-without-chat", "messages-without-chat", "bad-messages"])
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     """Input errors on the embedded default model (which has no chat template), before any weights load."""
     from dflash_jax import generate
@@ -251,8 +292,11 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     (tmp_path / "empty.txt").write_text("\n \n")
     (tmp_path / "blank.jsonl").write_text('{"prompt": "def a"}\n{"prompt": ""}\n')
     (tmp_path / "upper.JSONL").write_text('{"text": "def a"}\n')
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "bad_chat.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
     paths = dict(jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
                  blank_jsonl=tmp_path / "blank.jsonl", upper=tmp_path / "upper.JSONL",
+                 chat_jsonl=tmp_path / "chat.jsonl", bad_chat=tmp_path / "bad_chat.jsonl",
                  default=generate.DEFAULT_MODEL)
     assert generate.main([arg.format(**paths) for arg in args]) == 2
     err = capsys.readouterr().err

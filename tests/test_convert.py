@@ -222,7 +222,8 @@ def test_export_draft_casts_and_reads_back(tmp_path):
     make_zlab_draft(tmp_path / "draft")
     draft = load_draft(tmp_path / "draft", dtype="bfloat16")
     out = export_draft(draft.config, draft.params, tmp_path / "exported", dtype="float32")
-    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "float32"  # transformers 5 and older readers
     assert [f.name for f in out.glob("*.safetensors")] == ["model.safetensors"]  # 5 GB shards by default
     assert_same_tree(load_draft(out, dtype="float32").params, cast_params(draft.params, jnp.float32))
 

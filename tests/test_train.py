@@ -512,3 +512,12 @@ def test_corpus_special_token_strings_stay_text_and_dangling_links_are_skipped(t
     (tmp_path / "pkg.py").mkdir()
     train, heldout = data.source_files(tmp_path)
     assert sorted(p.name for p in train + heldout) == ["a.py", "c.py"]
+
+
+def test_corpus_files_that_are_not_utf8_are_named(tmp_path):
+    """A UTF-16 file still reads (as replacement characters) but is named in a warning."""
+    (tmp_path / "ok.py").write_text("x = 1\n", encoding="utf-8")
+    (tmp_path / "wide.py").write_text("x = 'é'\n", encoding="utf-16")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) are not UTF-8.*wide\.py"):
+        texts = data.read_texts([tmp_path / "ok.py", tmp_path / "wide.py"])
+    assert texts[0] == "x = 1\n" and "\ufffd" in texts[1]
