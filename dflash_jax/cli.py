@@ -1,13 +1,15 @@
 """Pieces shared by the command lines (generate, convert, the training CLIs and the benchmarks):
 argparse types whose bad values are one usage error naming the flag, the one-line report of
-refused input, and one-line warnings."""
+refused input, one-line warnings, and interrupts deferred to the end of a training step."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -33,6 +35,29 @@ def positive_float(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type of a finite float flag >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def random_seed(text: str) -> int:
+    """argparse type of a random seed: an integer in [0, 2**32) (jax.random.key would take a
+    larger one modulo 2**32 or fail)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
     return value
 
 
@@ -62,3 +87,39 @@ def one_line_warnings() -> Iterator[None]:
         yield
     finally:
         warnings.formatwarning = previous
+
+
+@contextlib.contextmanager
+def deferred_interrupts(what: str) -> Iterator[Callable[[], bool]]:
+    """Within it, the first Ctrl-C or SIGTERM only sets a flag, read by the callable it yields,
+    so a loop can finish its step and save (``what`` it will do, for the message); a second one
+    raises KeyboardInterrupt at once. Off the main thread (where Python cannot take signals)
+    nothing changes and the flag stays False."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        if requested.is_set():
+            raise KeyboardInterrupt
+        requested.set()
+        print(f"\ninterrupt: {what}; interrupt again to stop at once", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested.is_set
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def interrupt_exits() -> Iterator[None]:
+    """Around a CLI's ``main`` (also a decorator): Ctrl-C (KeyboardInterrupt) ends it with exit
+    status 130 and one line, not a traceback; what was saved is said where it was saved."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

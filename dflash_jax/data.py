@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import sys
 import sysconfig
@@ -90,6 +91,17 @@ def read_texts(paths: Iterable[Path]) -> list[str]:
         warnings.warn(f"{len(not_utf8)} file(s) are not UTF-8; their undecodable bytes read as U+FFFD: "
                       + ", ".join(not_utf8[:5]) + (", ..." if len(not_utf8) > 5 else ""))
     return texts
+
+
+def data_digest(texts: Iterable[str], token_files: Iterable[TokenRows] = ()) -> str:
+    """sha256 of a run's training data (texts in order, then token files' rows), recorded so
+    that resuming refuses data that changed behind the same paths."""
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode()).digest())
+    for rows in token_files:
+        digest.update(hashlib.sha256(rows.tokens.tobytes() + rows.loss_mask.tobytes()).digest())
+    return digest.hexdigest()
 
 
 def expand_paths(patterns: Sequence[str]) -> list[Path]:

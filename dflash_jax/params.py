@@ -87,11 +87,11 @@ def init_draft_params(draft_config, key, dtype) -> DraftParams:
     keys = jax.random.split(key, model.num_layers + 1)
     taps = len(draft_config.target_layer_ids) * model.hidden_size
     fc = (jax.random.normal(keys[0], (taps, model.hidden_size)) * 0.02).astype(dtype)
-    ones = jax.numpy.ones((model.hidden_size,), dtype)
+    ones = lambda: jax.numpy.ones((model.hidden_size,), dtype)  # noqa: E731 (one buffer each: training donates them)
     lm_head = d2t = None
     if draft_config.draft_vocab_size:  # speculators draft with a reduced vocabulary
         lm_head = (jax.random.normal(keys[0], (model.hidden_size, draft_config.draft_vocab_size)) * 0.02
                    ).astype(dtype)
         d2t = jax.numpy.zeros((draft_config.draft_vocab_size,), jax.numpy.int32)
-    return DraftParams(fc=fc, hidden_norm=ones, norm=ones, lm_head=lm_head, d2t=d2t,
+    return DraftParams(fc=fc, hidden_norm=ones(), norm=ones(), lm_head=lm_head, d2t=d2t,
                        layers=tuple(init_layer(model, k, dtype) for k in keys[1:]))

@@ -1,7 +1,7 @@
 """Train a DFlash draft for a frozen target (DESIGN.md section 7) and export it in z-lab format.
 
     python -m dflash_jax.train_draft --target DIR --out DIR [--data FILES|GLOBS|stdlib]
-        [--regenerate N] [--num-layers K] [--block-size 16] [--steps 1000] [--batch 8]
+        [--regenerate N] [--num-layers K] [--block-size 16] [--steps 1000] [--batch 1]
         [--seq-len 512] [--anchors 512] [--lr 6e-4] [--resume | --overwrite] [--eval-prompts N]
 
 Per row: the target runs the clean sequence once (frozen, bf16) and its taps at the draft's
@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +41,8 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import at_least, one_line_warnings, positive_float, reported_as_errors
+from dflash_jax.cli import (at_least, interrupt_exits, one_line_warnings, positive_float, random_seed,
+                            reported_as_errors)
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -52,11 +54,19 @@ from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_g
 
 @dataclasses.dataclass(frozen=True)
 class DraftTrainConfig:
-    """Recipe of one draft training run. ``gamma`` None: ``data.default_gamma(block_size)``."""
+    """Recipe of one draft training run. ``gamma`` None: ``data.default_gamma(block_size)``.
+
+    Memory: activations grow with rows x anchors x block (every anchor's block runs the draft
+    layers). At Qwen3-8B shape (hidden 4096, vocab 151936) one row of 512 anchors of block 16
+    needs about 8 GiB of activations with one draft layer and 4.7 GiB more per further layer
+    (XLA's buffer assignment, measured on CPU), beside the frozen target and the f32 params and
+    AdamW moments; hence one row per step by default (SpecForge's default too). The optimizer
+    (``OptimConfig``: b2 0.95, weight decay 0.01 on matrices) is the usual LLM AdamW, not
+    SpecForge's (torch defaults: b2 0.999, no decay); DESIGN leaves it open."""
 
     optim: OptimConfig = OptimConfig(steps=1000, lr=6e-4)
     num_anchors: int = 512
-    batch_size: int = 8
+    batch_size: int = 1
     gamma: float | None = None
     seed: int = 0
     compute_dtype: str = "bfloat16"
@@ -144,6 +154,35 @@ def draft_block_hidden(params: DraftParams, config: DraftConfig, target: TargetP
     return draft_model.layer_stack(params, config, x, blocks.positions, attend, impl="reference")
 
 
+LOGIT_CHUNK_BYTES = 256 * 2**20  # f32 logits alive at once in the loss, forward and backward
+
+
+def chunked_cross_entropy(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                          labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy and argmax [...] of ``logits_fn(hidden)`` for hidden [..., H] and integer
+    labels [...], over chunks of positions whose f32 logits take at most LOGIT_CHUNK_BYTES and
+    are recomputed in the backward pass: the whole [..., V] logits (35 GiB at Qwen3's vocabulary,
+    8 rows and 512 anchors of block 16) never exist at once."""
+    shape, width = labels.shape, hidden.shape[-1]
+    flat_hidden, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
+    count = flat_labels.shape[0]
+    vocab = jax.eval_shape(logits_fn, flat_hidden[:1]).shape[-1]
+    chunk = max(1, min(count, LOGIT_CHUNK_BYTES // (4 * vocab)))
+    pad = -count % chunk
+    flat_hidden = jnp.pad(flat_hidden, ((0, pad), (0, 0))).reshape(-1, chunk, width)
+    flat_labels = jnp.pad(flat_labels, (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one_chunk(chunk_args):
+        chunk_hidden, chunk_labels = chunk_args
+        logits = logits_fn(chunk_hidden)
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, chunk_labels),
+                jnp.argmax(logits, axis=-1))
+
+    ce, predicted = jax.lax.map(one_chunk, (flat_hidden, flat_labels))
+    return ce.reshape(-1)[:count].reshape(shape), predicted.reshape(-1)[:count].reshape(shape)
+
+
 def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, loss_mask: jax.Array,
                anchors: jax.Array, *, config: DraftConfig, target_config: ModelConfig, gamma: float,
                dtype) -> tuple[jax.Array, dict]:
@@ -156,12 +195,12 @@ def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, los
     hidden = draft_block_hidden(params, config, target, taps, blocks, anchors)
     rows, num = anchors.shape
     hidden = hidden.reshape(rows, num, config.block_size, -1)[:, :, 1:]
-    logits = draft_model.draft_logits(params, config, target, hidden)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, blocks.labels)
+    ce, predicted = chunked_cross_entropy(lambda h: draft_model.draft_logits(params, config, target, h),
+                                          hidden, blocks.labels)
     valid = blocks.label_mask.astype(jnp.float32)
     weights = data.position_weights(config.block_size, gamma) * valid
     loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
-    correct = (jnp.argmax(logits, axis=-1) == blocks.labels) & blocks.label_mask
+    correct = (predicted == blocks.labels) & blocks.label_mask
     used = (anchors >= 0).astype(jnp.float32)
     accepted = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)
     metrics = {"loss": loss,
@@ -171,12 +210,13 @@ def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, los
     return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "target_config", "train"))
+@functools.partial(jax.jit, static_argnames=("config", "target_config", "train"), donate_argnames=("state",))
 def train_step(state: TrainState, learning_rate: jax.Array, target: TargetParams, tokens: jax.Array,
                loss_mask: jax.Array, *,
                config: DraftConfig, target_config: ModelConfig, train: DraftTrainConfig) -> tuple[TrainState, dict]:
-    """One pure AdamW step: anchors drawn from a key folded with the step, so a resumed run
-    draws the same anchors as an uninterrupted one."""
+    """One pure AdamW step (``state`` donated: params and moments are not held twice): anchors
+    drawn from a key folded with the step, so a resumed run draws the same anchors as an
+    uninterrupted one."""
     key = jax.random.fold_in(jax.random.key(train.seed), state.step)
     anchors = data.sample_anchors(key, loss_mask, train.num_anchors)
     grads, metrics = jax.grad(draft_loss, has_aux=True)(
@@ -300,11 +340,15 @@ def stop_token_ids(target: Target) -> list[int]:
 
 
 def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int, temperature: float,
-               batch_size: int, pad_id: int, seed: int = 0) -> data.TokenRows:
+               batch_size: int, pad_id: int, seed: int = 0, done: Sequence[data.TokenRows] = (),
+               on_batch: Callable[[int, data.TokenRows], None] | None = None) -> data.TokenRows:
     """Responses written by the target itself (batched on-device generation, a progress bar over
     the batches, stopping at ``stop_token_ids(target)``) filling rows of ``seq_len``; only
     response tokens are supervised. Batches of ``batch_size`` prompts and a smaller last one: two
-    shapes to compile at most, and no sequence generated in vain."""
+    shapes to compile at most, and no sequence generated in vain. Each batch's rows go to
+    ``on_batch(index of its first prompt, rows)`` when made; ``done`` holds the rows of the first
+    batches, made earlier (an interrupted run's), which are not generated again (each batch's
+    seed depends only on its position)."""
     from dflash_jax.generate import generate
 
     if max(len(p) for p in prompts) >= seq_len:
@@ -312,31 +356,66 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
                          f"rows of seq_len {seq_len}")
     sampling = SamplingConfig(temperature=temperature)
     stop = stop_token_ids(target) or None
-    responses = []
-    for i in tqdm(range(0, len(prompts), batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
+    parts = list(done)
+    first = sum(len(part) for part in parts)
+    for i in tqdm(range(first, len(prompts), batch_size), desc="regenerate", unit="batch", dynamic_ncols=True,
+                  initial=-(-first // batch_size), total=-(-len(prompts) // batch_size)):
         chunk = list(prompts[i:i + batch_size])
         new = [seq_len - len(p) for p in chunk]
         result = generate(target, chunk, max_new_tokens=new, sampling=sampling, stop_token_ids=stop, seed=seed + i)
-        responses += result.tokens
-    return data.prompt_response_rows(prompts, responses, seq_len, pad_id)
+        parts.append(data.prompt_response_rows(chunk, result.tokens, seq_len, pad_id))
+        if on_batch is not None:
+            on_batch(i, parts[-1])
+    return data.concat_rows(parts)
 
 
 REGENERATED_FILE = "regenerated.npz"  # in the run's checkpoint folder
+REGENERATED_PARTS = "regenerated.parts"  # the finished batches of an unfinished regeneration
 
 
-def regenerated_rows(ckpt_dir: Path, record: dict, make: Callable[[], data.TokenRows]) -> data.TokenRows:
-    """The rows ``make()`` regenerates, kept in ``ckpt_dir`` with ``record`` (JSON: everything they
-    depend on). A later call with an equal record, such as a resumed run, reads them back instead
-    of generating again; a different record regenerates and replaces them."""
+def regenerated_rows(ckpt_dir: Path, record: dict, make: Callable[..., data.TokenRows]) -> data.TokenRows:
+    """The rows ``make(done=..., on_batch=...)`` (``regenerate``'s arguments) regenerates, kept in
+    ``ckpt_dir`` with ``record`` (JSON: everything they depend on). A later call with an equal
+    record, such as a resumed run, reads them back instead of generating again; a different
+    record regenerates and replaces them. Each finished batch is kept as it comes, so a run
+    interrupted while generating goes on from its last finished batch."""
     path, key = Path(ckpt_dir) / REGENERATED_FILE, json.dumps(record, sort_keys=True)
     if path.is_file() and data.token_file_record(path) == key:
         print(f"train_draft: reusing the target's responses in {path}")
         return data.load_token_file(path)
-    rows = make()
+    parts_dir = path.with_name(REGENERATED_PARTS)
+    done = _finished_batches(parts_dir, key)
+    if done:
+        print(f"train_draft: {sum(len(part) for part in done)} responses kept from an interrupted run in "
+              f"{parts_dir}; generating the rest")
+    parts_dir.mkdir(exist_ok=True)
+
+    def keep(first: int, rows: data.TokenRows) -> None:
+        partial = parts_dir / f"partial-{first}.npz"
+        data.save_token_file(partial, rows, record=key)
+        partial.replace(parts_dir / f"{first:09d}.npz")  # whole or absent
+
+    rows = make(done=done, on_batch=keep)
     partial = path.with_name("regenerated.partial.npz")
     data.save_token_file(partial, rows, record=key)
     partial.replace(path)  # whole or absent: an interrupted save is never read back
+    shutil.rmtree(parts_dir)
     return rows
+
+
+def _finished_batches(parts_dir: Path, key: str) -> list[data.TokenRows]:
+    """The batches kept in ``parts_dir`` for ``key``, in order, as far as they run unbroken from
+    the first prompt; the other files there (another record's, half-written ones) are deleted."""
+    if not parts_dir.is_dir():
+        return []
+    done, expected = [], 0
+    for file in sorted(parts_dir.iterdir()):
+        if file.stem.isdigit() and int(file.stem) == expected and data.token_file_record(file) == key:
+            done.append(data.load_token_file(file))
+            expected += len(done[-1])
+        else:
+            file.unlink()
+    return done
 
 
 def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -359,6 +438,7 @@ def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]],
 
 
 @one_line_warnings()
+@interrupt_exits()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="target HF folder (with tokenizer.json)")
@@ -379,13 +459,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: the target's <|mask|>")
     defaults = DraftTrainConfig()
     parser.add_argument("--steps", type=at_least(1), default=defaults.optim.steps)
-    parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size)
+    parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size,
+                        help="rows per step (activations grow with rows x anchors: at Qwen3-8B shape ~8 GiB "
+                             "per row of 512 anchors with one draft layer, ~4.7 GiB more per layer)")
     parser.add_argument("--seq-len", type=at_least(2), default=512)
     parser.add_argument("--anchors", type=at_least(1), default=defaults.num_anchors)
-    parser.add_argument("--lr", type=float, default=defaults.optim.lr)
+    parser.add_argument("--lr", type=positive_float, default=defaults.optim.lr)
     parser.add_argument("--gamma", type=positive_float, default=None, help="loss decay (default 7 for block 16)")
     parser.add_argument("--save-every", type=at_least(1), default=defaults.save_every)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--seed", type=random_seed, default=defaults.seed)
     parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                         help="fit training (compile included) in this time: fewer steps, same schedule shape "
                              "(with --resume: the steps left)")
@@ -400,8 +482,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="replace a non-empty --out (otherwise refused unless --resume continues the run "
                              "that wrote it)")
     parser.add_argument("--eval-prompts", type=at_least(0), default=0, metavar="N",
-                        help="after training, measure τ on N prompts from the held-out stdlib files "
-                             "(required with --eval-only)")
+                        help="after training, measure τ of the exported draft on N prompts from the held-out "
+                             "files of --eval-corpus (required with --eval-only)")
     parser.add_argument("--eval-new-tokens", type=at_least(1), default=256)
     parser.add_argument("--eval-corpus", default="stdlib", help="'stdlib' or a folder: prompts from its held-out split")
     parser.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in --out")
@@ -426,10 +508,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             target, draft_config, train, ckpt_dir, rows = _open_cli_run(args, target_config, tokenizer, eos_id)
     if not args.eval_only:
-        draft = train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
-                             max_shard_mb=args.max_shard_mb)
-        draft = Draft(draft.config, cast_params(draft.params, target.params.embed.dtype), draft.path)
+        train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
+                     max_shard_mb=args.max_shard_mb)
         print(f"train_draft: exported {args.out}")
+        if eval_prompts:  # τ of the exported (bfloat16) files, as --eval-only and users load them
+            draft = load_draft(args.out, target, dtype=args.dtype)
     if eval_prompts:
         results = [evaluate_tau(target, draft, eval_prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
                    for t in (0.0, 0.7)]
@@ -458,6 +541,9 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
     draft_config = new_draft_config(target_config, num_layers=args.num_layers, block_size=args.block_size,
                                     mask_token_id=mask_id, target_layer_ids=ids)
     token_files, texts = read_training_data(args.data)
+    if args.regenerate and not texts:
+        raise ValueError("--regenerate cuts its prompts from the text of --data, and --data holds only .npz "
+                         "token files: add text files or folders")
     for path, rows in token_files.items():
         if rows.seq_len != args.seq_len:
             raise ValueError(f"--data {path} holds rows of {rows.seq_len} tokens, not --seq-len {args.seq_len}: "
@@ -465,7 +551,9 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
     train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
                              batch_size=args.batch, gamma=args.gamma, seed=args.seed,
                              compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
-    data_record = {"data": args.data, "seq_len": args.seq_len, "regenerate": args.regenerate}
+    # a resumed run must read the same data, not only the same paths
+    data_record = {"data": args.data, "sha256": data.data_digest(texts, token_files.values()),
+                   "seq_len": args.seq_len, "regenerate": args.regenerate}
     if args.regenerate:
         data_record.update(prompt_len=args.prompt_len, regen_temperature=args.regen_temperature,
                            regen_batch=args.regen_batch)  # batches draw their own seeds
@@ -490,9 +578,9 @@ def _training_rows(args, target: Target, tokenizer, eos_id: int | None, token_fi
         digest = hashlib.sha256(np.concatenate([np.asarray(p, np.int64) for p in prompts]).tobytes())
         record = {"target": str(Path(args.target).absolute()), "dtype": args.dtype, "data": data_record,
                   "seed": args.seed, "prompts_sha256": digest.hexdigest()}
-        parts.append(regenerated_rows(ckpt_dir, record, lambda: regenerate(
-            target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature, batch_size=args.regen_batch,
-            pad_id=pad_id, seed=args.seed)))
+        parts.append(regenerated_rows(ckpt_dir, record, functools.partial(
+            regenerate, target, prompts, seq_len=args.seq_len, temperature=args.regen_temperature,
+            batch_size=args.regen_batch, pad_id=pad_id, seed=args.seed)))
     elif documents:
         parts.append(data.pack_stream(documents, args.seq_len, name=f"the {len(texts)} text files of --data"))
     rows = data.concat_rows(parts)

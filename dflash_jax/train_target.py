@@ -38,7 +38,8 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import at_least, one_line_warnings, positive_float, reported_as_errors
+from dflash_jax.cli import (at_least, deferred_interrupts, interrupt_exits, non_negative_float, one_line_warnings,
+                            positive_float, random_seed, reported_as_errors)
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 from pallas_kernels.tuning import is_power_of_2
@@ -221,7 +222,9 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
     ``evaluate(params)`` (held-out metrics) runs every ``eval_every`` steps and at the end.
     Batches and keys must be pure functions of the step so a resumed run repeats exactly what an
     uninterrupted one does. The log (one metrics dict per step, train_log.json) is written with
-    every checkpoint; a resumed run continues it. Returns the final state and the whole log.
+    every checkpoint; a resumed run continues it. A first Ctrl-C or SIGTERM ends the run after
+    the step in progress with a checkpoint, then raises KeyboardInterrupt (a second one stops at
+    once). Returns the final state and the whole log.
     """
     import orbax.checkpoint as ocp
 
@@ -244,13 +247,24 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
         paced = None  # (step, time) where the pace measurement began
         # the pace is re-read over the last `window` steps, which span an evaluation when there are any
         window, step_times = max(10, eval_every), {}
-        with tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar:
+        pending = []  # (step, metrics on the device) not logged yet
+
+        def log_pending() -> None:
+            for done, metrics in pending:
+                metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+                history.append({"step": done, **metrics})
+                bar.set_postfix(postfix(metrics), refresh=False)
+            pending.clear()
+
+        with (tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar,
+              deferred_interrupts("finishing the step and saving a checkpoint") as interrupted):
             while step < total:
                 state, metrics = step_fn(state, jnp.float32(optim.learning_rate(step, total)), *batch_fn(step))
-                metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
                 step += 1
-                history.append({"step": step, **metrics})
-                bar.set_postfix(postfix(metrics), refresh=False)
+                # The previous step's metrics are read while this one runs: the host builds the next
+                # batch while the device works, instead of waiting for each step to end.
+                log_pending()
+                pending.append((step, metrics))
                 bar.update(1)
                 now = step_times[step] = time.perf_counter()
                 step_times.pop(step - window - 1, None)
@@ -273,12 +287,19 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                         bar.write(f"{desc}: slower than planned ({per_step * 1e3:.1f} ms/step lately), "
                                   f"schedule shortened to {total} steps")
                 if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
+                    log_pending()
                     history[-1].update(evaluate(state.params))
                     bar.write(f"{desc} step {step}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
-                if step % save_every == 0 or step == total:
+                if step % save_every == 0 or step == total or interrupted():
+                    log_pending()
                     write_json(ckpt_dir / LOG_FILE, history)  # first: a resume drops steps past its checkpoint
                     manager.save(step, args=ocp.args.StandardSave(state))
+                if interrupted() and step < total:
+                    manager.wait_until_finished()
+                    bar.write(f"{desc}: interrupted at step {step} of {total}; checkpoint saved in {ckpt_dir}: "
+                              "--resume continues the run")
+                    raise KeyboardInterrupt
         manager.wait_until_finished()
     return state, history
 
@@ -354,10 +375,10 @@ class TargetTrainConfig:
     time_budget: float | None = None
 
 
-@functools.partial(jax.jit, static_argnames=("config", "train"))
+@functools.partial(jax.jit, static_argnames=("config", "train"), donate_argnames=("state",))
 def train_step(state: TrainState, learning_rate: jax.Array, tokens: jax.Array, loss_mask: jax.Array, *,
                config: ModelConfig, train: TargetTrainConfig) -> tuple[TrainState, dict]:
-    """One pure AdamW step on a batch of rows (jitted once per (config, train))."""
+    """One pure AdamW step on a batch of rows (jitted once per (config, train); ``state`` donated)."""
     grads, metrics = jax.grad(lm_loss, has_aux=True)(state.params, config, tokens, loss_mask,
                                                      jnp.dtype(train.compute_dtype))
     metrics["grad_norm"] = global_norm(grads)
@@ -404,11 +425,12 @@ def open_target_run(out_dir: str | Path, train: TargetTrainConfig, *, corpus: st
     root = data.stdlib_root() if corpus == "stdlib" else Path(corpus)
     files, heldout = data.source_files(root)
     files = files[:max_files] if max_files else files
+    texts = data.read_texts(files)
     claim_run_folders(ckpt_dir, out_dir, {"corpus": str(corpus if corpus == "stdlib" else root.absolute()),
-                                          "max_files": max_files, "train": run_recipe(train)},
+                                          "max_files": max_files, "sha256": data.data_digest(texts),
+                                          "train": run_recipe(train)},
                       resume=resume, overwrite=overwrite, inputs={"--corpus": root})
     staging = ckpt_dir / "tokenizer"
-    texts = data.read_texts(files)
     if resume and (staging / "tokenizer.json").is_file():
         tokenizer = data.load_tokenizer(staging)
     else:
@@ -460,6 +482,7 @@ def train_target(run: TargetRun, *, eval_every: int = 250, max_shard_mb: int = D
 
 
 @one_line_warnings()
+@interrupt_exits()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output HF model folder")
@@ -481,12 +504,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=at_least(2), default=defaults.seq_len)
     parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size)
     parser.add_argument("--steps", type=at_least(1), default=defaults.optim.steps)
-    parser.add_argument("--lr", type=float, default=defaults.optim.lr)
-    parser.add_argument("--weight-decay", type=float, default=defaults.optim.weight_decay)
+    parser.add_argument("--lr", type=positive_float, default=defaults.optim.lr)
+    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.optim.weight_decay)
     parser.add_argument("--save-every", type=at_least(1), default=defaults.save_every)
     parser.add_argument("--eval-every", type=at_least(0), default=250,
                         help="held-out loss every N steps (0: at the end only)")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--seed", type=random_seed, default=defaults.seed)
     parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                         help="fit the run (compile included) in this time: fewer steps, same schedule "
                              "shape (with --resume: the steps left)")

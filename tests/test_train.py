@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -120,6 +121,35 @@ def trained(tmp_path_factory):
                   "--steps", str(DRAFT_STEPS), "--lr", "3e-3", "--save-every", "6", "--dtype", "float32"]
     train_draft.main(draft_args)
     return root, draft_args
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_chunked_cross_entropy_matches_the_whole_logits(monkeypatch, chunk_rows):
+    """Values, argmax and gradients as from the whole logits, for chunks that do and do not
+    divide the positions (20 here)."""
+    vocab = 11
+    monkeypatch.setattr(train_draft, "LOGIT_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    keys = jax.random.split(jax.random.key(np.random.SeedSequence().entropy % 2**32), 3)
+    hidden = jax.random.normal(keys[0], (2, 5, 2, 8))
+    weight = jax.random.normal(keys[1], (8, vocab))
+    labels = jax.random.randint(keys[2], (2, 5, 2), 0, vocab)
+    position_weights = jnp.linspace(0.1, 1.0, 20).reshape(2, 5, 2)
+
+    def chunked(w, h):
+        ce, predicted = train_draft.chunked_cross_entropy(lambda x: x @ w, h, labels)
+        return jnp.sum(ce * position_weights), predicted
+
+    def whole(w, h):
+        logits = h @ w
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return jnp.sum(ce * position_weights), jnp.argmax(logits, -1)
+
+    (value, predicted), grads = jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True)(weight, hidden)
+    (value_ref, predicted_ref), grads_ref = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(weight, hidden)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-6)
+    np.testing.assert_array_equal(predicted, predicted_ref)
+    for grad, grad_ref in zip(grads, grads_ref):
+        np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_target_folder_loads_in_transformers(trained):
@@ -264,6 +294,33 @@ def test_interrupted_run_keeps_its_log_and_resumes_within_its_budget(tmp_path):
     assert json.loads((tmp_path / "train_log.json").read_text()) == history
 
 
+def test_first_interrupt_ends_training_after_the_step_with_a_checkpoint(tmp_path):
+    """A Ctrl-C (or SIGTERM) during a step: the step ends, a checkpoint and the log are written,
+    then KeyboardInterrupt; --resume goes on from that step."""
+    import os
+    import signal
+
+    def step_fn(state, learning_rate, signal_at=None):
+        if int(state.step) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)},
+                                    opt_state={"m": jnp.zeros(2)})
+    common = dict(optim=train_target.OptimConfig(steps=20, lr=1e-3), ckpt_dir=tmp_path, save_every=10,
+                  desc="interrupt", postfix=lambda m: {})
+    train_target.claim_run_folders(tmp_path, tmp_path / "out", {}, resume=False, overwrite=False)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        train_target.run_training(state, lambda s, lr: step_fn(s, lr, signal_at=6), lambda step: (), resume=False,
+                                  **common)
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert train_target.saved_steps(tmp_path) == [7]
+    assert [h["step"] for h in json.loads((tmp_path / "train_log.json").read_text())] == list(range(1, 8))
+    state, history = train_target.run_training(state, step_fn, lambda step: (), resume=True, **common)
+    assert int(state.step) == 20 and [h["step"] for h in history] == list(range(1, 21))
+
+
 def test_draft_cli_rejects_contradictory_options(capsys):
     base = ["--target", "unused", "--out", "unused"]
     for extra, message in ((["--eval-only"], "pass --eval-prompts N"),
@@ -279,7 +336,10 @@ def test_draft_cli_rejects_contradictory_options(capsys):
                                                   "--regen-batch", "--regenerate", "--gamma", "--time-budget")),
     (train_draft.main, "--steps", "-3"), (train_draft.main, "--gamma", "nan"), (train_draft.main, "--seq-len", "1"),
     *((train_target.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--kv-heads", "--time-budget")),
-    (train_target.main, "--seq-len", "1"), (train_target.main, "--steps", "many")])
+    (train_target.main, "--seq-len", "1"), (train_target.main, "--steps", "many"),
+    *((main, "--seed", value) for main in (train_draft.main, train_target.main) for value in ("-1", str(2**32))),
+    *((main, "--lr", value) for main in (train_draft.main, train_target.main) for value in ("-0.001", "0", "nan")),
+    (train_target.main, "--weight-decay", "-0.1")])
 def test_cli_flag_values_are_checked_before_anything_runs(main, flag, value, capsys):
     args = ["--out", "unused"] + (["--target", "unused"] if main is train_draft.main else [])
     assert f"argument {flag}: must be" in cli_error(main, args + [flag, value], capsys)
@@ -298,7 +358,9 @@ def test_draft_data_is_checked_before_the_target_loads(trained, tmp_path, monkey
     for data_args, message in (([str(tmp_path / "chat.jsonl")], "JSON Lines files are not read as training data"),
                                ([str(tmp_path / "empty.py"), str(tmp_path / "blank.txt")],
                                 "no training text in --data (all 2 files empty)"),
-                               ([str(tmp_path / "long.npz")], "holds rows of 16 tokens, not --seq-len 8")):
+                               ([str(tmp_path / "long.npz")], "holds rows of 16 tokens, not --seq-len 8"),
+                               ([str(tmp_path / "sparse.npz"), "--regenerate", "2", "--prompt-len", "4"],
+                                "--regenerate cuts its prompts from the text of --data")):
         assert message in cli_error(train_draft.main, base + ["--data", *data_args], capsys)
     assert not (tmp_path / "draft.ckpt").exists()
     with pytest.raises(ValueError, match="no row of the 3 training rows has two consecutive supervised tokens"):
@@ -374,7 +436,7 @@ def test_regenerated_rows_are_kept_per_record(tmp_path):
     rows = data.TokenRows(np.arange(8, dtype=np.int32).reshape(2, 4), np.ones((2, 4), bool))
     made = []
 
-    def make():
+    def make(done, on_batch):
         made.append(1)
         return rows
     for record in ({"seed": 0}, {"seed": 0}, {"seed": 1}, {"seed": 1}):
@@ -382,6 +444,41 @@ def test_regenerated_rows_are_kept_per_record(tmp_path):
         np.testing.assert_array_equal(again.tokens, rows.tokens)
         np.testing.assert_array_equal(again.loss_mask, rows.loss_mask)
     assert len(made) == 2 and [p.name for p in tmp_path.iterdir()] == [train_draft.REGENERATED_FILE]
+
+
+def test_interrupted_regeneration_goes_on_from_its_last_finished_batch(tmp_path, monkeypatch):
+    """Each finished batch is kept: a second run generates only the batches left, with the same
+    seeds, and gives the rows an uninterrupted run gives; another record starts afresh."""
+    import functools
+
+    import dflash_jax.generate
+
+    seeds, fail_at = [], {"call": 3}
+
+    def fake_generate(target, prompts, *, max_new_tokens, seed, **kwargs):
+        seeds.append(seed)
+        if len(seeds) == fail_at["call"]:
+            raise KeyboardInterrupt
+        return dflash_jax.generate.GenerationResult([[seed + 1] * n for n in max_new_tokens], None)
+
+    monkeypatch.setattr(dflash_jax.generate, "generate", fake_generate)
+    monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
+    make = functools.partial(train_draft.regenerate, None, [[1, 2]] * 5, seq_len=4, temperature=0.0,
+                             batch_size=2, pad_id=0)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft.regenerated_rows(tmp_path, {"seed": 0}, make)
+    assert seeds == [0, 2, 4]
+    (tmp_path / train_draft.REGENERATED_PARTS / "partial-4.npz").write_bytes(b"half-written")
+    seeds.clear(), fail_at.update(call=0)
+    rows = train_draft.regenerated_rows(tmp_path, {"seed": 0}, make)
+    assert seeds == [4] and rows.tokens[:, 2].tolist() == [1, 1, 3, 3, 5]
+    assert [p.name for p in tmp_path.iterdir()] == [train_draft.REGENERATED_FILE]
+    seeds.clear(), fail_at.update(call=2)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft.regenerated_rows(tmp_path, {"seed": 1}, make)
+    seeds.clear(), fail_at.update(call=0)
+    train_draft.regenerated_rows(tmp_path, {"seed": 2}, make)
+    assert seeds == [0, 2, 4]  # the parts of record {"seed": 1} were not used
 
 
 def test_generation_stops_where_the_generate_cli_does(trained, tmp_path):
