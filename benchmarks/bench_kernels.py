@@ -312,6 +312,9 @@ def main():
     parser.add_argument("--batches", type=positive_ints, default=",".join(map(str, BATCHES)),
                         help="comma-separated batch sizes")
     args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        parser.error(f"the kernels are compiled for a GPU, and jax sees only {jax.default_backend()}; "
+                     "their CPU checks are the interpret-mode tests (tests/test_kernels.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     results = run_record(args)
     results.update(rows=[], explore=[], profile=[])

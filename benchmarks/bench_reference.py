@@ -98,9 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("error: bench_reference.py times the reference on a CUDA GPU, and torch sees none", file=sys.stderr)
+        raise SystemExit(2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
-    import torch
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -462,7 +462,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="speculation block (<= the draft's trained size)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "interpret"],
-                   help="attention: kernels on GPU, references on CPU by default")
+                   help="auto: on GPU the attention kernels and the norm/RoPE kernels that write KV pages, "
+                        "XLA for the rest; references on CPU. pallas: every kernel; interpret: the kernels "
+                        "in Pallas interpret mode (slow; for checking)")
     p.add_argument("--page-size", type=int, default=16)
     # Each chunk costs ~2.4 ms of host round trip at Qwen3-8B on an H200 (the GPU idles): 13%
     # of the step time at 4 steps per chunk, 4% at 16, which still streams ~10 updates a second.
@@ -507,7 +509,13 @@ def main(argv: list[str] | None = None) -> int:
         target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
         if draft_dir:
             draft_config = load_draft_config(draft_dir)
-            draft_config.check_target(target_config)
+            try:
+                draft_config.check_target(target_config)
+            except ValueError as error:
+                if args.target is None:  # the user's draft beside the embedded target
+                    raise ValueError(f"{error} (no --target was given, so the target is the embedded "
+                                     f"default model {target_dir}: pass your draft's target)") from error
+                raise
             if args.block_size is not None and not 2 <= args.block_size <= draft_config.block_size:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")

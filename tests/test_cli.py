@@ -386,3 +386,11 @@ def test_cli_warnings_print_as_one_line():
         assert warnings.formatwarning("made for 36 layers", UserWarning, "x.py", 3) == "warning: made for 36 layers\n"
         assert warnings.formatwarning("old", DeprecationWarning, "x.py", 3) == "DeprecationWarning: old\n"
     assert warnings.formatwarning is before
+
+
+def test_cli_draft_without_target_names_the_embedded_target(model_dirs, capsys):
+    from dflash_jax import generate
+
+    assert generate.main(["--draft", str(model_dirs[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no --target was given, so the target is the embedded default" in err
