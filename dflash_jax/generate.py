@@ -27,7 +27,7 @@ from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, d
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.tokenizer import TextStream, Tokenizer, check_messages
+from dflash_jax.tokenizer import TextStream, Tokenizer, read_prompt_file, render_prompts
 
 
 @dataclasses.dataclass
@@ -300,67 +300,14 @@ DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
 def _read_prompts(args) -> list[str | list[dict]]:
-    """--prompt (a default when neither is given), or the non-blank lines of --batch-file: text
-    lines (.txt), or objects with a "prompt" string or a "messages" chat (.jsonl)."""
+    """--prompt (a default when neither is given), or the prompts of --batch-file."""
     if not args.batch_file:
         if args.prompt == "":
             raise ValueError("--prompt is empty")
         return [DEFAULT_PROMPT if args.prompt is None else args.prompt]
     if args.prompt is not None:
         raise ValueError("give --prompt or --batch-file, not both")
-    path = Path(args.batch_file)
-    if path.is_dir():
-        raise IsADirectoryError(f"--batch-file {path} is a folder: give a .txt or .jsonl file")
-    if not path.is_file():
-        raise FileNotFoundError(f"--batch-file {path} does not exist")
-    if path.suffix.lower() == ".json":
-        raise ValueError(f"--batch-file {path}: a .json file is not read as JSON; write one "
-                         '{"prompt": ...} object per line in a .jsonl file')
-    try:  # utf-8-sig: a byte-order mark is not part of the first prompt
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--batch-file {path} is not UTF-8 text ({error})") from error
-    # Lines end at "\n", "\r\n" or "\r" (read_text's newline translation), not at form feeds,
-    # U+2028 and the like, where str.splitlines would also split: prompts and JSON strings may
-    # hold them.
-    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
-    if not lines:
-        raise ValueError(f"--batch-file {path} holds no prompts")
-    if path.suffix.lower() != ".jsonl":
-        return [line for _, line in lines]
-    return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
-
-
-def _jsonl_prompt(line: str, where: str) -> str | list[dict]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error})") from error
-    if isinstance(record, dict) and "messages" in record and "prompt" not in record:
-        try:
-            check_messages(record["messages"])
-        except ValueError as error:
-            raise ValueError(f"{where}: {error}") from None
-        return record["messages"]
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        raise ValueError(f'{where}: expected an object with a "prompt" string or a "messages" list, '
-                         f"got {line.strip()[:60]}")
-    if not record["prompt"]:
-        raise ValueError(f"{where}: the prompt is empty")
-    return record["prompt"]
-
-
-def _render_prompts(prompts: list[str | list[dict]], tokenizer, args) -> list[str]:
-    """The prompts as the text to encode: through the chat template under --chat (a text prompt
-    is one user turn, after the --system message if given), as they are otherwise."""
-    if not args.chat:
-        if any(isinstance(p, list) for p in prompts):
-            raise ValueError('--batch-file holds "messages" chats: add --chat to render them')
-        return prompts
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    thinking = False if args.no_thinking else None
-    return [tokenizer.apply_chat_template(p if isinstance(p, list) else [*system, {"role": "user", "content": p}],
-                                          enable_thinking=thinking) for p in prompts]
+    return read_prompt_file(args.batch_file, "--batch-file")
 
 
 def check_cache_fits(cache: PagedKVCache) -> None:
@@ -520,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
-        texts = _render_prompts(_read_prompts(args), tokenizer, args)
+        texts = render_prompts(tokenizer, _read_prompts(args), chat=args.chat, system=args.system,
+                               enable_thinking=False if args.no_thinking else None, flag="--batch-file")
         prompts = [tokenizer.encode(t) for t in texts]
         target = load_target(target_dir, args.dtype, progress=True)
         draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None

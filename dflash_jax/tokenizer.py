@@ -1,4 +1,5 @@
-"""Tokenizer (``tokenizers``) and chat template (jinja2) read from an HF model folder."""
+"""Tokenizer (``tokenizers``) and chat template (jinja2) read from an HF model folder, and prompt
+files (text lines, or JSON Lines of prompts and chats) rendered through them."""
 
 from __future__ import annotations
 
@@ -113,6 +114,65 @@ def check_messages(messages) -> None:
                 and isinstance(message.get("content"), str)):
             raise ValueError('each chat message must be an object with "role" and "content" strings, '
                              f"got {str(message)[:60]}")
+
+
+def read_prompt_file(path: str | Path, flag: str) -> list[str | list[dict]]:
+    """The prompts of a file given as ``flag``: its non-blank lines (.txt), or per line an object
+    with a "prompt" string or a "messages" chat (.jsonl). UTF-8, a byte-order mark dropped."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder: give a .txt or .jsonl file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path} does not exist")
+    if path.suffix.lower() == ".json":
+        raise ValueError(f"{flag} {path}: a .json file is not read as JSON; write one "
+                         '{"prompt": ...} object per line in a .jsonl file')
+    try:  # utf-8-sig: a byte-order mark is not part of the first prompt
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} {path} is not UTF-8 text ({error})") from error
+    # Lines end at "\n", "\r\n" or "\r" (read_text's newline translation), not at form feeds,
+    # U+2028 and the like, where str.splitlines would also split: prompts and JSON strings may
+    # hold them.
+    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{flag} {path} holds no prompts")
+    if path.suffix.lower() != ".jsonl":
+        return [line for _, line in lines]
+    return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
+
+
+def _jsonl_prompt(line: str, where: str) -> str | list[dict]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error})") from error
+    if isinstance(record, dict) and "messages" in record and "prompt" not in record:
+        try:
+            check_messages(record["messages"])
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        return record["messages"]
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(f'{where}: expected an object with a "prompt" string or a "messages" list, '
+                         f"got {line.strip()[:60]}")
+    if not record["prompt"]:
+        raise ValueError(f"{where}: the prompt is empty")
+    return record["prompt"]
+
+
+def render_prompts(tokenizer: Tokenizer, prompts: list[str | list[dict]], *, chat: bool, system: str | None = None,
+                   enable_thinking: bool | None = None, flag: str) -> list[str]:
+    """The prompts as the text to encode: through the chat template when ``chat`` (a text prompt
+    is one user turn, after a ``system`` message if given), as they are otherwise (a "messages"
+    chat from the file given as ``flag`` then is an error)."""
+    if not chat:
+        if any(isinstance(p, list) for p in prompts):
+            raise ValueError(f'{flag} holds "messages" chats: add --chat to render them')
+        return prompts
+    system_turn = [{"role": "system", "content": system}] if system else []
+    return [tokenizer.apply_chat_template(p if isinstance(p, list) else [*system_turn, {"role": "user", "content": p}],
+                                          enable_thinking=enable_thinking) for p in prompts]
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:

@@ -432,6 +432,57 @@ def test_resume_reads_back_the_regenerated_responses(trained, tmp_path, monkeypa
     np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in first], rtol=1e-6)
 
 
+def test_regenerate_from_a_prompts_file_rendered_as_chats(trained, tmp_path, monkeypatch):
+    """--prompts FILE --chat: the first N prompts (a text prompt and a several-turn chat), rendered
+    with the target's chat template, are what the target answers; the rows start with them."""
+    root, _ = trained
+    target = tmp_path / "target"
+    shutil.copytree(root / "target", target)
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    prompts = tmp_path / "prompts.jsonl"
+    turns = [{"role": "user", "content": "def a"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "x"}]
+    prompts.write_text(json.dumps({"prompt": "import os"}) + "\n" + json.dumps({"messages": turns}) + "\n"
+                       + json.dumps({"prompt": "unused"}) + "\n")
+    seen = []
+    original = train_draft.regenerate
+
+    def spy(target, prompts, **kwargs):
+        seen.extend(prompts)
+        return original(target, prompts, **kwargs)
+    monkeypatch.setattr(train_draft, "regenerate", spy)
+    save = tmp_path / "rows.npz"
+    train_draft.main(["--target", str(target), "--out", str(tmp_path / "draft"), "--prompts", str(prompts),
+                      "--chat", "--regenerate", "2", "--seq-len", "64", "--num-layers", "1", "--block-size", "4",
+                      "--anchors", "4", "--steps", "1", "--dtype", "float32", "--save-data", str(save)])
+    tokenizer = Tokenizer(target)
+    expected = [tokenizer.encode("<user>import os<assistant>"), tokenizer.encode("<user>def a<assistant>ok<user>x<assistant>")]
+    assert seen == expected
+    rows = data.load_token_file(save)
+    for row, mask, prompt in zip(rows.tokens, rows.loss_mask, expected):
+        assert row[:len(prompt)].tolist() == prompt and not mask[:len(prompt)].any() and mask[len(prompt)]
+
+
+def test_prompts_file_options_are_checked(trained, tmp_path, capsys):
+    root, _ = trained
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\n")
+    base = ["--target", str(root / "target"), "--out", str(tmp_path / "draft"), "--seq-len", "64"]
+    for extra, message in ((["--prompts", str(prompts)], "--prompts are the prompts of --regenerate N"),
+                           (["--chat"], "--chat renders --prompts"),
+                           (["--prompts", str(prompts), "--regenerate", "2"], "holds 1 prompts"),
+                           (["--prompts", str(prompts), "--regenerate", "1", "--data", TEXT_GLOB],
+                            "the text of --data would go unused"),
+                           (["--prompts", str(prompts), "--regenerate", "1", "--chat"], "has no chat template"),
+                           (["--prompts", str(prompts), "--regenerate", "1", "--seq-len", "3"],
+                            "leave less than two tokens of --seq-len 3")):
+        assert message in cli_error(train_draft.main, base + extra, capsys)
+    assert not (tmp_path / "draft.ckpt").exists()
+
+
 def test_regenerated_rows_are_kept_per_record(tmp_path):
     rows = data.TokenRows(np.arange(8, dtype=np.int32).reshape(2, 4), np.ones((2, 4), bool))
     made = []
