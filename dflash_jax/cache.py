@@ -2,9 +2,9 @@
 
 One page table serves every layer: position ``p`` of sequence ``b`` lives in page
 ``page_table[b, p // page_size]`` of each layer's pages. The target caches the K/V of every
-token it has run; the draft caches only context K/V of committed tokens, at the same positions,
-so both fit one allocator. ``lengths`` counts committed tokens: anything past it (rejected
-draft tokens' K/V) is ignored and later overwritten, never copied.
+token it has run; the draft caches context K/V (from the target's hidden states) at the same
+positions, so both fit one allocator. ``lengths`` counts committed tokens: anything past it
+(a rejected block's K/V, in either group) is ignored and later overwritten, never copied.
 """
 
 from __future__ import annotations

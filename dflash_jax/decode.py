@@ -8,10 +8,13 @@ block is an ordinary decode step and its "bonus" is the next token. One DFlash s
 2. verify: the target runs the block, writing its K/V, returning logits and tapped hiddens;
 3. accept: greedy prefix match, or rejection sampling -> n accepted drafts + a bonus token;
 4. commit: emit n+1 tokens (cut at stop tokens / max_new_tokens), advance ``lengths`` by the
-   emitted count, write the committed tokens' context K/V into the draft's pages.
+   emitted count, write the block's context K/V into the draft's pages (all B positions: those
+   past the new ``lengths`` are never read and are overwritten by the next step).
 
-Shapes are fixed per (batch, block size, buffers), so the loop never recompiles; finished
-sequences keep their state frozen (they still occupy their batch row).
+Shapes are fixed per prepared batch (batch, block size, buffers, pages), so its loop never
+recompiles; ``generate.prepare`` rounds the sizes up to a few per doubling so that other batches
+reuse the compiled functions. Finished sequences keep their state frozen (they still occupy
+their batch row).
 """
 
 from __future__ import annotations
@@ -56,10 +59,17 @@ class LoopConfig:
     def tap_layers(self) -> tuple[int, ...]:
         return self.draft.target_layer_ids if self.draft is not None else ()
 
+    def for_prefill(self) -> "LoopConfig":
+        """This config less what prefill does not use (the run-time block size, replay), so one
+        compiled prefill serves every block size."""
+        trained = 1 if self.draft is None else self.draft.block_size
+        return dataclasses.replace(self, block_size=trained, accept_replay=False)
+
 
 @struct.dataclass
 class DecodeState:
-    """Everything the decode loop carries (B = batch, N = max_new_tokens + block_size).
+    """Everything the decode loop carries (B = batch; N = buffer_len: the largest
+    max_new_tokens, rounded up as ``max_steps``, plus the draft's trained block size, or 1).
 
     tokens: [B, N] generated tokens (the first one comes from prefill); entries at and past
         ``num_generated`` are scratch.
@@ -67,7 +77,8 @@ class DecodeState:
     done: [B] stop token seen or max_new_tokens reached.
     max_new_tokens: [B]; stop_tokens: [B, S] (-1 padded).
     cache: the paged KV cache; ``cache.lengths`` counts tokens the target has committed.
-    steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step.
+    steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step
+        (max_steps >= every max_new_tokens: each step emits at least one).
     key: PRNG key; iteration: scalar loop iterations run.
     """
 

@@ -27,6 +27,7 @@ from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, d
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
+from pallas_kernels.tuning import next_power_of_2
 from dflash_jax.tokenizer import TextStream, Tokenizer, read_prompt_file, render_prompts
 
 
@@ -107,18 +108,26 @@ def _per_sequence(value, batch: int, name: str) -> list:
 
 
 def _stop_array(stop_token_ids, batch: int) -> np.ndarray:
+    """[batch, S] stop ids, -1 padded; S a power of two (few shapes to compile)."""
     if stop_token_ids is None:
         rows = [[] for _ in range(batch)]
     elif all(isinstance(t, (int, np.integer)) for t in stop_token_ids):
         rows = [list(stop_token_ids)] * batch
     else:
         rows = _per_sequence(list(stop_token_ids), batch, "stop_token_ids")
-    width = max(1, max(len(r) for r in rows))
+    width = next_power_of_2(max(1, max(len(r) for r in rows)))
     return np.array([list(r) + [-1] * (width - len(r)) for r in rows], np.int32)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _bucket(n: int, per_doubling: int = 8) -> int:
+    """``n`` rounded up to one of ``per_doubling`` sizes between consecutive powers of two (at
+    most 1/per_doubling more): the sizes that set compiled shapes (prompt padding, pages,
+    buffers), so that batches of nearby sizes reuse one compilation."""
+    return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
 
 
 @dataclasses.dataclass
@@ -214,6 +223,9 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
         raise ValueError("max_new_tokens must be >= 1")
     if draft is not None:
         draft.config.check_target(target.config)
+        if draft.params.fc.dtype != target.params.embed.dtype:
+            raise ValueError(f"the draft's weights are {draft.params.fc.dtype} and the target's "
+                             f"{target.params.embed.dtype}: load both in one dtype (their K/V share one cache)")
         block_size = draft.config.block_size if block_size is None else block_size
     elif block_size not in (None, 1):
         raise ValueError("block_size needs a draft")
@@ -231,19 +243,24 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
                     else "the prompt alone is too long")
             raise ValueError(f"prompt {i} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
                              f"more than the target's max_position_embeddings {limit} ({fits})")
-    padded_len = _round_up(max(lens), page_size)
+    padded_len = _round_up(_bucket(max(lens)), page_size)
     # Pages for every position a sequence may write: its prompt and its last block. The prefill
     # runs every row padded to the longest prompt; padding positions past a row's pages map to
-    # the sentinel page, whose writes are dropped, and their outputs are never read.
+    # the sentinel page, whose writes are dropped, and their outputs are never read. The pool and
+    # the table's width are rounded up (``_bucket``), the table padded with the sentinel page.
     touched = [n + m + config.block_size for n, m in zip(lens, max_new)]
+    if num_pages is None:
+        num_pages = _bucket(sum(max(1, -(-t // page_size)) for t in touched))
     page_table, num_pages = allocate_pages(touched, page_size, num_pages)
+    width = _bucket(page_table.shape[1])
+    page_table = np.pad(page_table, ((0, 0), (0, width - page_table.shape[1])), constant_values=num_pages)
 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
     inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
               jnp.asarray(_stop_array(stop_token_ids, batch)))
-    max_steps = max(max_new)
+    max_steps = _bucket(max(max_new))  # buffers; each row stops at its own max_new_tokens
     num_steps = chunk_steps or max_steps
     if chunk_steps is not None and chunk_steps < 1:
         raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
@@ -252,11 +269,12 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     check_steps_per_check(num_steps, steps_per_check)  # before compiling anything
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
-    statics = dict(config=config, buffer_len=buffer_len, max_steps=max_steps)
+    statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, page_table, num_pages, page_size,
                                   None, None, 0.0)
-    check_cache_fits(jax.eval_shape(prepared.new_cache))
-    args = (target.params, prepared._draft_params, *inputs, prepared.new_cache(), jax.random.key(0))
+    cache_shape = jax.eval_shape(prepared.new_cache)
+    check_cache_fits(cache_shape)
+    args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0))
     start = time.perf_counter()
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)

@@ -56,10 +56,13 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False) -
     return Target(config, params, path)
 
 
-def load_draft(path: str | Path, target: Target | None = None, dtype="bfloat16", *,
+def load_draft(path: str | Path, target: Target | None = None, dtype=None, *,
                progress: bool = False) -> Draft:
     """DFlash draft (z-lab or speculators format, or converted); checked against ``target``
-    (``progress`` as for ``load_target``)."""
+    (``progress`` as for ``load_target``). ``dtype`` defaults to the target's (the draft's K/V
+    pages live beside the target's in one cache), else bfloat16."""
+    if dtype is None:
+        dtype = target.params.embed.dtype if target is not None else "bfloat16"
     path, dtype = Path(path), _dtype(dtype)
     config = load_draft_config(path)
     if target is not None:

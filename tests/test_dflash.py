@@ -510,3 +510,39 @@ def test_reduced_vocab_draft_logits_keep_other_ids_impossible_under_a_soft_cap()
     expected = np.tanh(np.asarray(hidden @ head) * 0.5 / 5.0) * 5.0
     np.testing.assert_allclose(logits[..., inside], expected, rtol=1e-6)
     assert np.isneginf(np.delete(logits, inside, axis=-1)).all()
+
+
+def test_nearby_batches_reuse_the_compiled_functions(spec_pair):
+    """Batches whose prompt lengths, max_new_tokens and stop lists round to the same sizes
+    (generate.prepare's buckets) compile nothing new; another block size compiles only the
+    decode chunk, not the prefill."""
+    import jax.monitoring
+
+    compiled, listening = [], [False]
+
+    def listener(event, seconds, **kwargs):
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(str(kwargs.get("fun_name")))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    vocab = spec_pair.target.config.vocab_size
+
+    def run(lens, max_new, stops, block):
+        prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate(lens)]
+        generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=max_new, stop_token_ids=stops,
+                 block_size=block, impl="reference")
+    run([9, 20], 24, [5, 6, 7], 4)
+    listening[0] = True
+    run([10, 21], 23, [5, 6, 7, 8], 4)
+    assert compiled == []
+    run([10, 21], 23, [5, 6, 7, 8], 3)
+    listening[0] = False
+    assert compiled and not any("prefill" in name for name in compiled), compiled
+
+
+def test_draft_loads_in_the_targets_dtype_and_mixed_dtypes_are_refused(spec_pair):
+    from dflash_jax.params import cast_params
+
+    assert load_draft(spec_pair.draft.path, spec_pair.target).params.fc.dtype == spec_pair.target.params.embed.dtype
+    bf16 = Draft(spec_pair.draft.config, cast_params(spec_pair.draft.params, jnp.bfloat16), spec_pair.draft.path)
+    with pytest.raises(ValueError, match="load both in one dtype"):
+        generate(spec_pair.target, [[1, 2, 3]], draft=bf16, max_new_tokens=4, impl="reference")
