@@ -31,7 +31,8 @@ from dflash_jax import target as target_model
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig, ModelConfig
 from dflash_jax.params import DraftParams, TargetParams
-from dflash_jax.sampling import SamplingConfig, accept_greedy, accept_sampling, choose, sampling_probs
+from dflash_jax.sampling import (SamplingConfig, accept_greedy, accept_sampling, choose, leading_run,
+                                 sample_probs, sampling_probs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     if config.sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = sampling_probs(logits, config.sampling)
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32), probs
+    return sample_probs(key, probs), probs
 
 
 def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, block_lens: jax.Array,
@@ -147,8 +148,7 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
     if config.accept_replay:
         replay_key, key = jax.random.split(key)
         hits = jax.random.uniform(replay_key, drafts.shape) < replay_alpha
-        hits &= jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1
-        accepted = jnp.sum(jnp.cumprod(hits.astype(jnp.int32), axis=1), axis=1)
+        accepted = leading_run(hits & (jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1))
         next_logits = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
         return accepted, choose(key, next_logits, config.sampling)
     if config.sampling.greedy:

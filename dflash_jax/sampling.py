@@ -81,6 +81,12 @@ def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arr
     return sample_probs(key, sampling_probs(logits, config))
 
 
+def leading_run(ok: jax.Array) -> jax.Array:
+    """Length [...] of the leading run of True along the last axis of ok [..., T]: the drafts
+    accepted."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+
+
 def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array,
                   block_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Leading matches n [B] of draft_tokens [B, T-1] against argmax(target_logits [B, T, V])
@@ -88,7 +94,7 @@ def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array,
     posterior = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
     slots = jnp.arange(draft_tokens.shape[1])[None, :]
     match = (draft_tokens == posterior[:, :-1]) & (slots < block_lens[:, None] - 1)
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    accepted = leading_run(match)
     return accepted, jnp.take_along_axis(posterior, accepted[:, None], axis=1)[:, 0]
 
 
@@ -106,8 +112,7 @@ def accept_sampling(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Ar
     q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(accept_key, p.shape)
     slots = jnp.arange(num_drafts)[None, :]
-    ok = (u * q < p) & (slots < block_lens[:, None] - 1)
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    accepted = leading_run((u * q < p) & (slots < block_lens[:, None] - 1))
     p_next = jnp.take_along_axis(target_probs, accepted[:, None, None], axis=1)[:, 0]
     q_next = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, num_drafts - 1)[:, None, None],
                                  axis=1)[:, 0]

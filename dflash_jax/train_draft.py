@@ -46,7 +46,7 @@ from dflash_jax.cli import (at_least, interrupt_exits, one_line_warnings, positi
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.sampling import SamplingConfig, leading_run
 from dflash_jax.tokenizer import Tokenizer, read_prompt_file, render_prompts
 from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
                                      claim_run_folders, global_norm, make_optimizer, run_recipe, run_training)
@@ -202,7 +202,7 @@ def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, los
     loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
     correct = (predicted == blocks.labels) & blocks.label_mask
     used = (anchors >= 0).astype(jnp.float32)
-    accepted = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), axis=-1)
+    accepted = leading_run(correct)
     metrics = {"loss": loss,
                "position_accuracy": jnp.sum(correct, axis=(0, 1)) / jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0),
                "tau_proxy": 1.0 + jnp.sum(accepted * used) / jnp.maximum(jnp.sum(used), 1.0),
