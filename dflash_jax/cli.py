@@ -27,26 +27,25 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(text: str) -> float:
-    """argparse type of a finite float flag > 0."""
+def _finite_float(text: str, bound: str) -> float:
+    """A finite float parsed from ``text`` that is ``bound`` ("> 0" or ">= 0"), else an argparse error."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    if not (math.isfinite(value) and (value > 0 if bound == "> 0" else value >= 0)):
+        raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a finite float flag > 0."""
+    return _finite_float(text, "> 0")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type of a finite float flag >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+    return _finite_float(text, ">= 0")
 
 
 def random_seed(text: str) -> int:

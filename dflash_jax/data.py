@@ -79,11 +79,11 @@ def read_texts(paths: Iterable[Path]) -> list[str]:
     Latin-1 file would otherwise train as replacement characters unnoticed)."""
     texts, not_utf8 = [], []
     for path in paths:
-        data = Path(path).read_bytes()
+        raw = Path(path).read_bytes()
         try:
-            text = data.decode("utf-8-sig")
+            text = raw.decode("utf-8-sig")
         except UnicodeDecodeError:
-            text = data.decode("utf-8-sig", errors="replace")
+            text = raw.decode("utf-8-sig", errors="replace")
             not_utf8.append(str(path))
         if text.strip():
             texts.append(text)

@@ -27,8 +27,8 @@ from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, d
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
-from pallas_kernels.tuning import next_power_of_2
 from dflash_jax.tokenizer import TextStream, Tokenizer, read_prompt_file, render_prompts
+from pallas_kernels.tuning import next_power_of_2
 
 
 @dataclasses.dataclass

@@ -57,9 +57,9 @@ class DraftTrainConfig:
     """Recipe of one draft training run. ``gamma`` None: ``data.default_gamma(block_size)``.
 
     Memory: activations grow with rows x anchors x block (every anchor's block runs the draft
-    layers). At Qwen3-8B shape (hidden 4096, vocab 151936) one row of 512 anchors of block 16
-    needs about 8 GiB of activations with one draft layer and 4.7 GiB more per further layer
-    (XLA's buffer assignment, measured on CPU), beside the frozen target and the f32 params and
+    layers). At Qwen3-8B shape (hidden 4096, vocab 151936), 512 anchors of block 16 need about
+    8 GiB of activations for one row with one draft layer, 4.7 GiB more per further layer, and
+    39 GiB for 8 rows with one layer (XLA's buffer assignment, compiled on CPU), beside the frozen target and the f32 params and
     AdamW moments; hence one row per step by default (SpecForge's default too). The optimizer
     (``OptimConfig``: b2 0.95, weight decay 0.01 on matrices) is the usual LLM AdamW, not
     SpecForge's (torch defaults: b2 0.999, no decay); DESIGN leaves it open."""
@@ -468,8 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     defaults = DraftTrainConfig()
     parser.add_argument("--steps", type=at_least(1), default=defaults.optim.steps)
     parser.add_argument("--batch", type=at_least(1), default=defaults.batch_size,
-                        help="rows per step (activations grow with rows x anchors: at Qwen3-8B shape ~8 GiB "
-                             "per row of 512 anchors with one draft layer, ~4.7 GiB more per layer)")
+                        help="rows per step (activations grow with rows x anchors: at Qwen3-8B shape, 512 "
+                             "anchors take ~8 GiB for one row and one draft layer, ~4.7 GiB more per layer, "
+                             "~39 GiB for 8 rows)")
     parser.add_argument("--seq-len", type=at_least(2), default=512)
     parser.add_argument("--anchors", type=at_least(1), default=defaults.num_anchors)
     parser.add_argument("--lr", type=positive_float, default=defaults.optim.lr)
