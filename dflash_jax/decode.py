@@ -37,7 +37,9 @@ from dflash_jax.sampling import (SamplingConfig, accept_greedy, accept_sampling,
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    """Static choices of one compiled loop. ``draft`` None means plain decoding (block 1).
+    """Static choices of one compiled loop. ``draft`` None means plain decoding (block 1). The
+    sampling settings travel in ``DecodeState`` (their static part, greedy or top-k, selects the
+    compiled code through the state's tree structure).
     ``accept_replay`` (benchmarks only) replaces the accept decision: each draft position is
     accepted independently with probability ``replay_alpha`` (a run-time argument of
     ``decode_chunk``, so one compile serves every alpha), up to the first rejection."""
@@ -45,7 +47,6 @@ class LoopConfig:
     target: ModelConfig
     draft: DraftConfig | None
     block_size: int
-    sampling: SamplingConfig
     impl: str = "auto"
     accept_replay: bool = False
 
@@ -77,6 +78,7 @@ class DecodeState:
     num_generated: [B] emitted so far. last_token: [B] emitted but not yet run by the target.
     done: [B] stop token seen or max_new_tokens reached.
     max_new_tokens: [B]; stop_tokens: [B, S] (-1 padded).
+    sampling: temperature and top-p as [] float32 (top-k, greedy: static, in the tree structure).
     cache: the paged KV cache; ``cache.lengths`` counts tokens the target has committed.
     steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step
         (max_steps >= every max_new_tokens: each step emits at least one).
@@ -89,6 +91,7 @@ class DecodeState:
     done: jax.Array
     max_new_tokens: jax.Array
     stop_tokens: jax.Array
+    sampling: SamplingConfig
     cache: PagedKVCache
     steps: jax.Array
     accept_lengths: jax.Array
@@ -103,16 +106,17 @@ def _is_stop(tokens: jax.Array, stop_tokens: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("config", "buffer_len", "max_steps"), donate_argnames=("cache",))
 def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
-            max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array, *,
-            config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
+            max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array,
+            sampling: SamplingConfig, *, config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
     """Run right-padded prompts [B, P] (true lengths prompt_lens [B]), pick the first token and
-    return the loop's initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps)."""
+    return the loop's initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps;
+    ``sampling`` as ``SamplingConfig.as_arrays`` gives it, so its values compile nothing)."""
     batch = prompts.shape[0]
     hidden, taps, cache = target_model.forward(target, config.target, prompts, jnp.zeros((batch,), jnp.int32),
                                                cache, tap_layers=config.tap_layers, impl=config.impl)
     last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     key, first_key = jax.random.split(key)
-    first = choose(first_key, target_model.logits(target, last), config.sampling)
+    first = choose(first_key, target_model.logits(target, last), sampling)
     if config.draft is not None:
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
         cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
@@ -121,7 +125,7 @@ def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array,
     return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
                        num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
                        max_new_tokens=max_new_tokens.astype(jnp.int32), stop_tokens=stop_tokens.astype(jnp.int32),
-                       cache=cache, steps=jnp.zeros((batch,), jnp.int32),
+                       sampling=sampling, cache=cache, steps=jnp.zeros((batch,), jnp.int32),
                        accept_lengths=jnp.zeros((batch, max_steps), jnp.int32), key=key,
                        iteration=jnp.zeros((), jnp.int32))
 
@@ -134,26 +138,27 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     block = jnp.concatenate([state.last_token[:, None], masks], axis=1)
     hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl)
     logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:])
-    if config.sampling.greedy:
+    if state.sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    probs = sampling_probs(logits, config.sampling)
+    probs = sampling_probs(logits, state.sampling)
     return sample_probs(key, probs), probs
 
 
 def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, block_lens: jax.Array,
-            config: LoopConfig, replay_alpha: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            sampling: SamplingConfig, config: LoopConfig,
+            replay_alpha: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(accepted drafts n [B], bonus token [B]) for verify logits [B, block, V]."""
     if config.draft is None:
-        return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], config.sampling)
+        return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], sampling)
     if config.accept_replay:
         replay_key, key = jax.random.split(key)
         hits = jax.random.uniform(replay_key, drafts.shape) < replay_alpha
         accepted = leading_run(hits & (jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1))
         next_logits = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
-        return accepted, choose(key, next_logits, config.sampling)
-    if config.sampling.greedy:
+        return accepted, choose(key, next_logits, sampling)
+    if sampling.greedy:
         return accept_greedy(drafts, logits, block_lens)
-    return accept_sampling(key, drafts, draft_probs, sampling_probs(logits, config.sampling), block_lens)
+    return accept_sampling(key, drafts, draft_probs, sampling_probs(logits, sampling), block_lens)
 
 
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
@@ -177,7 +182,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     hidden, taps, cache = target_model.forward(target, config.target, block, start, cache,
                                                tap_layers=config.tap_layers, impl=config.impl)
     accepted, bonus = _accept(accept_key, drafts, draft_probs, target_model.logits(target, hidden),
-                              block_lens, config, replay_alpha)
+                              block_lens, state.sampling, config, replay_alpha)
 
     # Emitted run: the accepted drafts then the bonus; cut at max_new_tokens and stop tokens.
     slots = jnp.arange(config.block_size)[None, :]

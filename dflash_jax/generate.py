@@ -142,6 +142,7 @@ class PreparedGeneration:
     target: Target
     draft: Draft | None
     inputs: tuple                  # prompts, prompt_lens, max_new_tokens, stop_tokens
+    sampling: SamplingConfig       # as_arrays: its values are run-time inputs
     page_table: np.ndarray
     num_pages: int
     page_size: int
@@ -159,7 +160,7 @@ class PreparedGeneration:
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
         return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
-                               jax.random.key(seed))
+                               jax.random.key(seed), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | None = None) -> DecodeState:
         alpha = None if replay_alpha is None else jnp.float32(replay_alpha)
@@ -230,8 +231,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     elif block_size not in (None, 1):
         raise ValueError("block_size needs a draft")
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
-                        block_size=1 if block_size is None else block_size, sampling=sampling, impl=impl,
-                        accept_replay=accept_replay)
+                        block_size=1 if block_size is None else block_size, impl=impl, accept_replay=accept_replay)
 
     configs = [target.config] + ([draft.config.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size)
@@ -270,11 +270,11 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
-    prepared = PreparedGeneration(config, target, draft, inputs, page_table, num_pages, page_size,
-                                  None, None, 0.0)
+    prepared = PreparedGeneration(config, target, draft, inputs, sampling.as_arrays(), page_table, num_pages,
+                                  page_size, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
     check_cache_fits(cache_shape)
-    args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0))
+    args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)
     start = time.perf_counter()
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)

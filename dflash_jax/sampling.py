@@ -6,31 +6,51 @@ while the mass before it is < top_p), renormalized."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_p"],
+                   meta_fields=["top_k", "greedy", "nucleus"])
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 means greedy (argmax); top_k 0 means no top-k; top_p 1.0 means no top-p."""
+    """temperature 0 means greedy (argmax); top_k 0 means no top-k; top_p 1.0 means no top-p.
 
-    temperature: float = 0.0
-    top_p: float = 1.0
+    A pytree whose leaves are ``temperature`` and ``top_p``: jitted code takes them as run-time
+    values, so another temperature or top-p compiles nothing. What sets the compiled code is
+    static: ``top_k`` (a shape), ``greedy`` (temperature 0) and ``nucleus`` (top_p < 1), both
+    derived from the numbers given.
+    """
+
+    temperature: float | jax.Array = 0.0
+    top_p: float | jax.Array = 1.0
     top_k: int = 0
+    greedy: bool | None = None
+    nucleus: bool | None = None
 
     def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # jax rebuilds the config with traced (or placeholder) leaves: only numbers are checked
+        if isinstance(self.temperature, (int, float)):
+            if not (math.isfinite(self.temperature) and self.temperature >= 0):
+                raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            if self.greedy is None:
+                object.__setattr__(self, "greedy", self.temperature <= 0)
+        if isinstance(self.top_p, (int, float)):
+            if not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            if self.nucleus is None:
+                object.__setattr__(self, "nucleus", self.top_p < 1)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.greedy is None or self.nucleus is None:
+            raise TypeError("give temperature and top_p as numbers (greedy and nucleus derive from them)")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
+    def as_arrays(self) -> "SamplingConfig":
+        """The same config with float32 array leaves: what compiled functions are given."""
+        return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), self)
 
 
 def _scatter_rows(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
@@ -58,11 +78,11 @@ def sampling_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     if 0 < config.top_k < vocab:
         values, indices = jax.lax.top_k(scores, config.top_k)  # sorted descending
         probs = jax.nn.softmax(values, axis=-1)
-        if config.top_p < 1.0:
+        if config.nucleus:
             probs = _top_p_sorted(probs, config.top_p)
         return _scatter_rows(probs, indices, vocab)
     probs = jax.nn.softmax(scores, axis=-1)
-    if config.top_p < 1.0:
+    if config.nucleus:
         order = jnp.argsort(-probs, axis=-1)
         sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
         probs = _scatter_rows(_top_p_sorted(sorted_probs, config.top_p), order, vocab)

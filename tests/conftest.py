@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random HF checkpoints written with transformers (and the z-lab package)."""
 
+import contextlib
 import os
 import sys
 import time
@@ -32,6 +33,34 @@ def _zlab_reference_on_cpu():
     dm._cuda_time = time.perf_counter
     yield
     dm._cuda_time = original
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiled_names: list[list[str]] = []  # one list per open ``compilations`` block
+
+
+def _record_compile(event, seconds, **kwargs):
+    if event == _COMPILE_EVENT:
+        for names in _compiled_names:
+            names.append(str(kwargs.get("fun_name")))
+
+
+jax.monitoring.register_event_duration_secs_listener(_record_compile)
+
+
+@pytest.fixture
+def compilations():
+    """``with compilations() as names:`` collects the names of the functions XLA compiles inside
+    the block (a cache hit compiles nothing)."""
+    @contextlib.contextmanager
+    def collect():
+        names: list[str] = []
+        _compiled_names.append(names)
+        try:
+            yield names
+        finally:
+            _compiled_names.remove(names)
+    return collect
 
 
 @dataclass

@@ -512,18 +512,10 @@ def test_reduced_vocab_draft_logits_keep_other_ids_impossible_under_a_soft_cap()
     assert np.isneginf(np.delete(logits, inside, axis=-1)).all()
 
 
-def test_nearby_batches_reuse_the_compiled_functions(spec_pair):
+def test_nearby_batches_reuse_the_compiled_functions(spec_pair, compilations):
     """Batches whose prompt lengths, max_new_tokens and stop lists round to the same sizes
     (generate.prepare's buckets) compile nothing new; another block size compiles only the
     decode chunk, not the prefill."""
-    import jax.monitoring
-
-    compiled, listening = [], [False]
-
-    def listener(event, seconds, **kwargs):
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(str(kwargs.get("fun_name")))
-    jax.monitoring.register_event_duration_secs_listener(listener)
     vocab = spec_pair.target.config.vocab_size
 
     def run(lens, max_new, stops, block):
@@ -531,11 +523,11 @@ def test_nearby_batches_reuse_the_compiled_functions(spec_pair):
         generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=max_new, stop_token_ids=stops,
                  block_size=block, impl="reference")
     run([9, 20], 24, [5, 6, 7], 4)
-    listening[0] = True
-    run([10, 21], 23, [5, 6, 7, 8], 4)
+    with compilations() as compiled:
+        run([10, 21], 23, [5, 6, 7, 8], 4)
     assert compiled == []
-    run([10, 21], 23, [5, 6, 7, 8], 3)
-    listening[0] = False
+    with compilations() as compiled:
+        run([10, 21], 23, [5, 6, 7, 8], 3)
     assert compiled and not any("prefill" in name for name in compiled), compiled
 
 

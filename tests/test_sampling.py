@@ -359,3 +359,20 @@ def test_negative_controls_are_rejected(tiny):
     wrong_temperature, _ = _sample(tiny, SAMPLING_CASES["t0.7"], seed=14)
     p3, p4 = _pvalues(wrong_temperature, joint3, t4)
     assert p3 < 1e-6, f"temperature 0.7 vs 1.0 not rejected: p={p3:.3g}"
+
+
+def test_another_temperature_or_top_p_compiles_nothing(random_pair, compilations):
+    """Temperature and top-p are run-time values of the compiled prefill and loop; greedy vs
+    sampling, top-k and top-p on or off are what compile."""
+    prompts = [[1, 2, 3, 4], [5, 6]]
+
+    def run(**sampling):
+        return generate(random_pair.target, prompts, draft=random_pair.draft, max_new_tokens=12,
+                        sampling=SamplingConfig(**sampling), impl="reference").tokens
+    first = run(temperature=0.7, top_p=0.9)
+    with compilations() as compiled:
+        second = run(temperature=1.3, top_p=0.5)
+    assert compiled == [] and second != first
+    with compilations() as compiled:
+        run(temperature=0.7)  # top-p off: another program
+    assert compiled
