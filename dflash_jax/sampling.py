@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +34,24 @@ class SamplingConfig:
 
     def __post_init__(self):
         # jax rebuilds the config with traced (or placeholder) leaves: only numbers are checked
-        if isinstance(self.temperature, (int, float)):
+        if isinstance(self.temperature, numbers.Real):
             if not (math.isfinite(self.temperature) and self.temperature >= 0):
                 raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-            if self.greedy is None:
-                object.__setattr__(self, "greedy", self.temperature <= 0)
-        if isinstance(self.top_p, (int, float)):
+            self._derive("greedy", self.temperature <= 0)
+        if isinstance(self.top_p, numbers.Real):
             if not 0 < self.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-            if self.nucleus is None:
-                object.__setattr__(self, "nucleus", self.top_p < 1)
+            self._derive("nucleus", self.top_p < 1)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.greedy is None or self.nucleus is None:
             raise TypeError("give temperature and top_p as numbers (greedy and nucleus derive from them)")
+
+    def _derive(self, name: str, value: bool) -> None:
+        if getattr(self, name) not in (None, value):
+            raise ValueError(f"{name}={getattr(self, name)} contradicts temperature={self.temperature}, "
+                             f"top_p={self.top_p}: leave it out (it is derived)")
+        object.__setattr__(self, name, value)
 
     def as_arrays(self) -> "SamplingConfig":
         """The same config with float32 array leaves: what compiled functions are given."""

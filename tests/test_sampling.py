@@ -376,3 +376,15 @@ def test_another_temperature_or_top_p_compiles_nothing(random_pair, compilations
     with compilations() as compiled:
         run(temperature=0.7)  # top-p off: another program
     assert compiled
+
+
+def test_sampling_config_derives_its_static_part():
+    config = SamplingConfig(temperature=0.7, top_p=0.9, top_k=5)
+    assert (config.greedy, config.nucleus) == (False, True)
+    leaves, treedef = jax.tree.flatten(config.as_arrays())
+    assert [x.dtype for x in leaves] == [jnp.float32, jnp.float32]
+    assert jax.tree.unflatten(treedef, leaves).top_k == 5
+    with pytest.raises(ValueError, match="greedy=True contradicts temperature=0.7"):
+        SamplingConfig(temperature=0.7, greedy=True)
+    with pytest.raises(TypeError, match="give temperature and top_p as numbers"):
+        SamplingConfig(temperature=jnp.float32(0.7))
