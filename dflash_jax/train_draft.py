@@ -456,6 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="render --prompts with the target's chat template (a text prompt is one user turn), "
                              "as generate --chat does: the draft then learns the target's chat answers")
+    parser.add_argument("--system", help="--chat: a system message before each text prompt")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="--chat: pass enable_thinking=false to the template (Qwen3: answers without a "
+                             "thinking section)")
     parser.add_argument("--prompt-len", type=at_least(1), default=64,
                         help="prompt tokens for --regenerate/--eval-prompts")
     parser.add_argument("--regen-temperature", type=float, default=0.0)
@@ -507,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompts are the prompts of --regenerate N: add it")
     if args.chat and not args.prompts:
         parser.error("--chat renders --prompts with the chat template: add --prompts FILE")
+    for flag in ("system", "no_thinking"):
+        if getattr(args, flag) and not args.chat:
+            parser.error(f"--{flag.replace('_', '-')} needs --chat")
     if args.data is None:
         args.data = [] if args.prompts else ["stdlib"]
     if args.save_data and (Path(args.save_data).suffix != ".npz" or not Path(args.save_data).parent.is_dir()):
@@ -594,7 +601,8 @@ def _file_prompts(args) -> list[list[int]]:
     prompts = read_prompt_file(args.prompts, "--prompts")
     if len(prompts) < args.regenerate:
         raise ValueError(f"--regenerate {args.regenerate}, but --prompts {args.prompts} holds {len(prompts)} prompts")
-    texts = render_prompts(tokenizer, prompts[:args.regenerate], chat=args.chat, flag="--prompts")
+    texts = render_prompts(tokenizer, prompts[:args.regenerate], chat=args.chat, system=args.system,
+                           enable_thinking=False if args.no_thinking else None, flag="--prompts")
     encoded = [tokenizer.encode(text) for text in texts]
     too_long = [i for i, p in enumerate(encoded) if len(p) > args.seq_len - 2]
     if too_long:

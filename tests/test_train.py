@@ -433,8 +433,9 @@ def test_resume_reads_back_the_regenerated_responses(trained, tmp_path, monkeypa
 
 
 def test_regenerate_from_a_prompts_file_rendered_as_chats(trained, tmp_path, monkeypatch):
-    """--prompts FILE --chat: the first N prompts (a text prompt and a several-turn chat), rendered
-    with the target's chat template, are what the target answers; the rows start with them."""
+    """--prompts FILE --chat --system: the first N prompts (a text prompt after the system turn,
+    and a several-turn chat), rendered with the target's chat template, are what the target
+    answers; the rows start with them."""
     root, _ = trained
     target = tmp_path / "target"
     shutil.copytree(root / "target", target)
@@ -456,10 +457,10 @@ def test_regenerate_from_a_prompts_file_rendered_as_chats(trained, tmp_path, mon
     monkeypatch.setattr(train_draft, "regenerate", spy)
     save = tmp_path / "rows.npz"
     train_draft.main(["--target", str(target), "--out", str(tmp_path / "draft"), "--prompts", str(prompts),
-                      "--chat", "--regenerate", "2", "--seq-len", "64", "--num-layers", "1", "--block-size", "4",
+                      "--chat", "--system", "be brief", "--regenerate", "2", "--seq-len", "64", "--num-layers", "1", "--block-size", "4",
                       "--anchors", "4", "--steps", "1", "--dtype", "float32", "--save-data", str(save)])
     tokenizer = Tokenizer(target)
-    expected = [tokenizer.encode("<user>import os<assistant>"), tokenizer.encode("<user>def a<assistant>ok<user>x<assistant>")]
+    expected = [tokenizer.encode("<system>be brief<user>import os<assistant>"), tokenizer.encode("<user>def a<assistant>ok<user>x<assistant>")]
     assert seen == expected
     rows = data.load_token_file(save)
     for row, mask, prompt in zip(rows.tokens, rows.loss_mask, expected):
@@ -477,6 +478,9 @@ def test_prompts_file_options_are_checked(trained, tmp_path, capsys):
                            (["--prompts", str(prompts), "--regenerate", "1", "--data", TEXT_GLOB],
                             "the text of --data would go unused"),
                            (["--prompts", str(prompts), "--regenerate", "1", "--chat"], "has no chat template"),
+                           (["--prompts", str(prompts), "--regenerate", "1", "--system", "s"], "--system needs --chat"),
+                           (["--prompts", str(prompts), "--regenerate", "1", "--no-thinking"],
+                            "--no-thinking needs --chat"),
                            (["--prompts", str(prompts), "--regenerate", "1", "--seq-len", "3"],
                             "leave less than two tokens of --seq-len 3")):
         assert message in cli_error(train_draft.main, base + extra, capsys)
