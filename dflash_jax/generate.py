@@ -27,7 +27,8 @@ from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, d
                                default_steps_per_check, prefill)
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.tokenizer import TextStream, Tokenizer, read_prompt_file, render_prompts
+from dflash_jax.tokenizer import (TextStream, Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
+                                  render_prompts)
 from pallas_kernels.tuning import next_power_of_2
 
 
@@ -359,9 +360,7 @@ def _check_flags(args, draft_dir) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size is not None and draft_dir is None:
         raise ValueError("--block-size needs a draft")
-    for flag in ("system", "no_thinking"):
-        if getattr(args, flag) and not args.chat:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --chat")
+    chat_options(args)
     check_seed(args.seed)
     if args.steps_per_check is not None:
         check_steps_per_check(args.chunk_steps, args.steps_per_check)
@@ -415,11 +414,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help=f"prompt text (default {DEFAULT_PROMPT!r})")
     p.add_argument("--batch-file", help="one prompt per line (.txt), or per line an object with a "
                                         "\"prompt\" string or a \"messages\" chat (.jsonl)")
-    p.add_argument("--chat", action="store_true", help="render the prompts with the tokenizer's chat template")
-    p.add_argument("--system", help="--chat: a system message before each text prompt")
-    p.add_argument("--no-thinking", action="store_true",
-                   help="--chat: pass enable_thinking=false to the template (Qwen3: answer without a "
-                        "thinking section)")
+    add_chat_arguments(p, "render the prompts with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -485,8 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
-        texts = render_prompts(tokenizer, _read_prompts(args), chat=args.chat, system=args.system,
-                               enable_thinking=False if args.no_thinking else None, flag="--batch-file")
+        texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
         prompts = [tokenizer.encode(t) for t in texts]
         target = load_target(target_dir, args.dtype, progress=True)
         draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None

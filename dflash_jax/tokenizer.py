@@ -161,6 +161,25 @@ def _jsonl_prompt(line: str, where: str) -> str | list[dict]:
     return record["prompt"]
 
 
+def add_chat_arguments(parser, chat_help: str) -> None:
+    """--chat (described by ``chat_help``), --system and --no-thinking, as generate and
+    train_draft take them; ``chat_options`` reads them back."""
+    parser.add_argument("--chat", action="store_true", help=chat_help)
+    parser.add_argument("--system", help="--chat: a system message before each text prompt")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="--chat: pass enable_thinking=false to the template (Qwen3: answer without a "
+                             "thinking section)")
+
+
+def chat_options(args) -> dict:
+    """``render_prompts``' chat, system and enable_thinking from the flags ``add_chat_arguments``
+    defines; ValueError for --system or --no-thinking without --chat."""
+    for flag in ("system", "no_thinking"):
+        if getattr(args, flag) and not args.chat:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --chat")
+    return {"chat": args.chat, "system": args.system, "enable_thinking": False if args.no_thinking else None}
+
+
 def render_prompts(tokenizer: Tokenizer, prompts: list[str | list[dict]], *, chat: bool, system: str | None = None,
                    enable_thinking: bool | None = None, flag: str) -> list[str]:
     """The prompts as the text to encode: through the chat template when ``chat`` (a text prompt

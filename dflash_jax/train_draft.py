@@ -47,7 +47,7 @@ from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, 
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig, leading_run
-from dflash_jax.tokenizer import Tokenizer, read_prompt_file, render_prompts
+from dflash_jax.tokenizer import Tokenizer, add_chat_arguments, chat_options, read_prompt_file, render_prompts
 from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
                                      claim_run_folders, global_norm, make_optimizer, run_recipe, run_training)
 
@@ -453,13 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=None, metavar="FILE",
                         help="--regenerate's prompts: one per line (.txt), or per line an object with a "
                              "\"prompt\" string or a \"messages\" chat (.jsonl), as generate --batch-file reads them")
-    parser.add_argument("--chat", action="store_true",
-                        help="render --prompts with the target's chat template (a text prompt is one user turn), "
-                             "as generate --chat does: the draft then learns the target's chat answers")
-    parser.add_argument("--system", help="--chat: a system message before each text prompt")
-    parser.add_argument("--no-thinking", action="store_true",
-                        help="--chat: pass enable_thinking=false to the template (Qwen3: answers without a "
-                             "thinking section)")
+    add_chat_arguments(parser, "render --prompts with the target's chat template (a text prompt is one user "
+                               "turn), as generate --chat does: the draft then learns the target's chat answers")
     parser.add_argument("--prompt-len", type=at_least(1), default=64,
                         help="prompt tokens for --regenerate/--eval-prompts")
     parser.add_argument("--regen-temperature", type=float, default=0.0)
@@ -511,9 +506,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompts are the prompts of --regenerate N: add it")
     if args.chat and not args.prompts:
         parser.error("--chat renders --prompts with the chat template: add --prompts FILE")
-    for flag in ("system", "no_thinking"):
-        if getattr(args, flag) and not args.chat:
-            parser.error(f"--{flag.replace('_', '-')} needs --chat")
+    try:
+        chat_options(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.data is None:
         args.data = [] if args.prompts else ["stdlib"]
     if args.save_data and (Path(args.save_data).suffix != ".npz" or not Path(args.save_data).parent.is_dir()):
@@ -601,8 +597,7 @@ def _file_prompts(args) -> list[list[int]]:
     prompts = read_prompt_file(args.prompts, "--prompts")
     if len(prompts) < args.regenerate:
         raise ValueError(f"--regenerate {args.regenerate}, but --prompts {args.prompts} holds {len(prompts)} prompts")
-    texts = render_prompts(tokenizer, prompts[:args.regenerate], chat=args.chat, system=args.system,
-                           enable_thinking=False if args.no_thinking else None, flag="--prompts")
+    texts = render_prompts(tokenizer, prompts[:args.regenerate], **chat_options(args), flag="--prompts")
     encoded = [tokenizer.encode(text) for text in texts]
     too_long = [i for i, p in enumerate(encoded) if len(p) > args.seq_len - 2]
     if too_long:
