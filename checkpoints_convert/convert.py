@@ -34,18 +34,20 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     an empty one), with the umask's permissions on everything inside, and on any failure, Ctrl-C
     included, it is removed and ``out`` is left as it was. The checks run again at the end, for
     an ``out`` that appeared meanwhile."""
-    _check_replaceable(out, overwrite)
+    check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stale = sorted(path.name for path in out.parent.glob(f".{out.name}.*.tmp"))
+    stale = sorted(path.name for suffix in ("tmp", "old") for path in out.parent.glob(f".{out.name}.*.{suffix}"))
     if stale:
-        warnings.warn(f"{out.parent} holds {', '.join(stale)}, left by an interrupted conversion to "
-                      f"{out.name}; delete them once no conversion is running", stacklevel=3)
+        warnings.warn(f"{out.parent} holds {', '.join(stale)}, left by an interrupted conversion or export "
+                      f"to {out.name} (*.old: a folder it replaced); delete them once none is running",
+                      stacklevel=3)
     tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
+    trash = None
     try:
         yield tmp
         _apply_umask_permissions(tmp)
-        _check_replaceable(out, overwrite)
+        check_replaceable(out, overwrite)
         if out.exists() or out.is_symlink():
             trash = tmp.with_suffix(".old")
             out.rename(trash)
@@ -54,18 +56,21 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
             except BaseException:
                 trash.rename(out)
                 raise
-            if trash.is_dir() and not trash.is_symlink():
-                shutil.rmtree(trash)
-            else:
-                trash.unlink()
         else:
             tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # OUT is complete from here on; the replaced folder, if an interrupt leaves it, is named by
+    # the warning above on the next run
+    if trash is not None:
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash)
+        else:
+            trash.unlink()
 
 
-def _check_replaceable(out: Path, overwrite: bool) -> None:
+def check_replaceable(out: Path, overwrite: bool) -> None:
     """FileExistsError unless ``out`` is absent, or ``overwrite`` and it is an empty folder or a
     model folder (HF or converted: config.json inside), never a user's other folder."""
     if not (out.exists() or out.is_symlink()):

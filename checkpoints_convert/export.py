@@ -13,15 +13,17 @@ below one shard; the folder appears atomically.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
+from tqdm.auto import tqdm
 
-from checkpoints_convert.convert import atomic_output
-from dflash_jax.checkpoint import draft_slots, hf_tensors, target_slots
+from checkpoints_convert.convert import SIDE_FILES, atomic_output
+from dflash_jax.checkpoint import HFTensor, draft_slots, hf_tensors, target_slots
 from dflash_jax.config import DraftConfig, ModelConfig
 from dflash_jax.models import DTYPES
 from dflash_jax.params import DraftParams, TargetParams
@@ -52,20 +54,28 @@ def _qwen3_fields(model: ModelConfig, dtype: str) -> dict[str, Any]:
     return fields
 
 
-def _float_dtype(tensors, dtype: str | None) -> str:
+def _float_dtype(tensors: list[HFTensor], dtype: str | None) -> str:
     if dtype is not None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         return dtype
-    return str(np.dtype(tensors[0][1].dtype))
+    return str(np.dtype(tensors[0].leaf.dtype))
 
 
-def _write_folder(out_dir, config_json: dict, tensors: list[tuple[str, Any, bool]], dtype: str | None,
-                  max_shard_mb: int, overwrite: bool) -> Path:
-    """config.json plus safetensors shards of at most ``max_shard_mb`` MB (10**6 bytes; a single
-    tensor larger than that gets a shard of its own) and, when sharded, the index."""
+def _write_folder(out_dir, config_json: dict, tensors: list[HFTensor], dtype: str | None,
+                  max_shard_mb: int, overwrite: bool, side_files_from: str | Path | None,
+                  progress: bool) -> Path:
+    """config.json, the side files of ``side_files_from`` and safetensors shards of at most
+    ``max_shard_mb`` MB (10**6 bytes; a single tensor larger than that gets a shard of its own)
+    and, when sharded, the index."""
     if max_shard_mb <= 0:
         raise ValueError(f"max_shard_mb must be positive, got {max_shard_mb}")
+    side_files = []
+    if side_files_from is not None:
+        source = Path(side_files_from)
+        if not source.is_dir():
+            raise FileNotFoundError(f"side_files_from {source} is not a directory")
+        side_files = [source / name for name in SIDE_FILES if (source / name).is_file()]
 
     def stored_dtype(leaf_dtype) -> np.dtype:
         floating = jnp.issubdtype(leaf_dtype, jnp.floating)
@@ -73,47 +83,68 @@ def _write_folder(out_dir, config_json: dict, tensors: list[tuple[str, Any, bool
 
     limit = max_shard_mb * 10**6 - 8 - _HEADER_BYTES  # 8-byte header length + __metadata__
     shards, used, total = [], 0, 0
-    for name, leaf, transposed in tensors:
-        nbytes = int(np.prod(leaf.shape)) * stored_dtype(leaf.dtype).itemsize
-        cost = nbytes + len(name) + _HEADER_BYTES
+    for tensor in tensors:
+        nbytes = int(np.prod(tensor.shape)) * stored_dtype(tensor.leaf.dtype).itemsize
+        cost = nbytes + len(tensor.name) + _HEADER_BYTES
         if not shards or (shards[-1] and used + cost > limit):
             shards.append([])
             used = 0
-        shards[-1].append((name, leaf, transposed))
+        shards[-1].append(tensor)
         used += cost
         total += nbytes
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
 
-    def torch_layout(leaf, transposed) -> np.ndarray:
-        array = np.asarray(leaf)  # device -> host, one tensor at a time
-        return np.ascontiguousarray(array.T if transposed else array, dtype=stored_dtype(array.dtype))
-
     out = Path(out_dir)
-    with atomic_output(out, overwrite) as tmp:
+    with atomic_output(out, overwrite) as tmp, tqdm(total=total, unit="B", unit_scale=True,
+                                                    desc=f"writing {out.name}", disable=not progress) as bar:
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        for path in side_files:  # read before ``out`` is replaced, so side_files_from may be ``out``
+            shutil.copyfile(path, tmp / path.name)
         weight_map = {}
         for file, shard in zip(files, shards):
-            save_file({name: torch_layout(leaf, t) for name, leaf, t in shard}, str(tmp / file),
-                      metadata={"format": "pt"})
-            weight_map.update({name: file for name, _, _ in shard})
+            arrays = {}
+            for tensor in shard:  # device -> host, one tensor at a time
+                arrays[tensor.name] = tensor.host(stored_dtype(tensor.leaf.dtype))
+                bar.update(arrays[tensor.name].nbytes)
+            save_file(arrays, str(tmp / file), metadata={"format": "pt"})
+            del arrays
+            weight_map.update({tensor.name: file for tensor in shard})
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
+def _check_types(config, config_type, params, params_type) -> None:
+    """TypeError for arguments swapped or of the wrong kind (e.g. a Target passed as config)."""
+    for name, value, expected in (("config", config, config_type), ("params", params, params_type)):
+        if not isinstance(value, expected):
+            raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}"
+                            " (pass model.config and model.params)")
+
+
 def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, *,
-                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
-                 dtype: str | None = None, overwrite: bool = False) -> Path:
+                 max_shard_mb: int = DEFAULT_MAX_SHARD_MB, dtype: str | None = None,
+                 overwrite: bool = False, side_files_from: str | Path | None = None,
+                 progress: bool = False) -> Path:
     """Write ``params`` as a z-lab-format DFlash draft folder (``architectures
     ["DFlashDraftModel"]``, Qwen3 fields, ``block_size``, ``num_target_layers``, ``dflash_config
     {mask_token_id, target_layer_ids}``; weights ``fc.weight``, ``hidden_norm.weight``,
     ``norm.weight``, ``layers.N.…``). ``dtype`` casts floats on the way out (None keeps the
-    params'). Raises ValueError for what the format cannot hold (a reduced draft vocabulary,
-    unknown ``num_target_layers``, per-layer causality other than the reference's rule) and
+    params'; a float16 cast that overflows raises CheckpointError). ``overwrite`` replaces an
+    existing model folder (a config.json inside) or empty folder, as a whole. ``side_files_from``:
+    a folder whose tokenizer, chat template and generation config files (``SIDE_FILES``) are
+    copied in. ``progress``: a bar over the bytes written. Raises TypeError for arguments of the
+    wrong kind, ValueError for what the format cannot hold (a reduced draft vocabulary, unknown
+    ``num_target_layers``, per-layer causality other than the reference's rule) and
     CheckpointError naming the tensor when params and config disagree.
+
+    The folder loads with ``dflash.model.DFlashDraftModel.from_pretrained`` (PyPI ``dflash``), SGLang
+    and vLLM; it carries no ``auto_map`` or modeling file, so ``AutoModel`` would build a plain
+    Qwen3 model from it.
     """
+    _check_types(config, DraftConfig, params, DraftParams)
     model = config.model
     if config.draft_vocab_size is not None:
         raise ValueError("z-lab drafts use the target's LM head: a reduced draft vocabulary "
@@ -140,16 +171,19 @@ def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, 
         if len(set(causal)) > 1:
             raise ValueError(f"causal_layers {causal} cannot be expressed in z-lab format (one is_causal flag)")
         raw["is_causal"] = causal[0]
-    return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite)
+    return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite, side_files_from, progress)
 
 
 def export_target(config: ModelConfig, params: TargetParams, out_dir: str | Path, *,
-                  max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
-                  dtype: str | None = None, overwrite: bool = False) -> Path:
+                  max_shard_mb: int = DEFAULT_MAX_SHARD_MB, dtype: str | None = None,
+                  overwrite: bool = False, side_files_from: str | Path | None = None,
+                  progress: bool = False) -> Path:
     """Write ``params`` as an HF Qwen3ForCausalLM folder (``model.``-prefixed names;
-    ``lm_head.weight`` only when untied). Tokenizer files are not part of params: copy them
-    from the source model. Other arguments as for ``export_draft``.
+    ``lm_head.weight`` only when untied). Tokenizer files are not part of params: pass the
+    source model's folder as ``side_files_from`` (it may be ``out_dir`` itself, with
+    ``overwrite``). Other arguments as for ``export_draft``.
     """
+    _check_types(config, ModelConfig, params, TargetParams)
     tensors = hf_tensors(target_slots(config), params)
     raw = {"architectures": ["Qwen3ForCausalLM"], **_qwen3_fields(config, _float_dtype(tensors, dtype))}
-    return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite)
+    return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite, side_files_from, progress)

@@ -16,7 +16,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -234,12 +234,7 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
         if not jnp.issubdtype(array.dtype, kind):
             raise CheckpointError(f"{where}: tensor '{name}' has dtype {array.dtype}, expected "
                                   f"{'an integer' if slot.integer else 'a float'} dtype")
-        with np.errstate(over="ignore"):  # float16 overflow is reported below
-            source, array = array, np.ascontiguousarray(array.T if slot.transposed else array, dtype=target)
-        if np.dtype(target) == np.float16 and np.isinf(array).sum() > np.isinf(source).sum():
-            raise CheckpointError(f"{where}: tensor '{name}' has values beyond float16's range "
-                                  f"(max |x| {float(np.abs(source).max()):.4g}); use bfloat16 or float32")
-        del source
+        array = host_layout(array, slot.transposed, target, f"{where}: tensor '{name}'")
         if slot.columns:
             parts[slot.path][slot.columns] = array
             if len(parts[slot.path]) < parts_expected[slot.path]:
@@ -252,6 +247,19 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
         shown = ", ".join(f"'{m}'" for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise CheckpointError(f"{where}: missing {len(missing)} tensor(s): {shown}")
     return values
+
+
+def host_layout(array, transposed: bool, dtype, what: str) -> np.ndarray:
+    """``array`` (host or device) as a contiguous host array of ``dtype``, transposed if asked;
+    CheckpointError naming ``what`` when a cast to float16 overflows (bfloat16 and float32 hold
+    every finite float16/bfloat16 value, so only float16 can turn weights into inf)."""
+    source = np.asarray(array)
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(source.T if transposed else source, dtype=dtype)
+    if out.dtype == np.float16 and np.isinf(out).sum() > np.isinf(source).sum():
+        raise CheckpointError(f"{what} has values beyond float16's range "
+                              f"(max |x| {float(np.abs(source).max()):.4g}); use bfloat16 or float32")
+    return out
 
 
 def _rotary(name: str) -> bool:
@@ -350,9 +358,30 @@ def check_speculators_copies(directory: str | Path, target: TargetParams) -> Non
                               "may differ from vLLM's (output stays exact)", stacklevel=3)
 
 
-def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:
-    """(HF name, params leaf, transposed) for every slot, after checking that ``params`` holds
-    exactly the slots' leaves with the slots' shapes (the inverse of loading)."""
+class HFTensor(NamedTuple):
+    """One HF tensor of params: ``leaf[:, columns]`` (the whole leaf when ``columns`` is None),
+    transposed when ``transposed``. Sliced only when read (``host``), so listing a checkpoint's
+    tensors copies nothing."""
+
+    name: str
+    leaf: Any
+    columns: tuple[int, int] | None
+    transposed: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.leaf.shape if self.columns is None else (self.leaf.shape[0], self.columns[1] - self.columns[0])
+        return tuple(reversed(shape)) if self.transposed else tuple(shape)
+
+    def host(self, dtype) -> np.ndarray:
+        """The tensor in HF (torch ``[out, in]``) layout as a host array of ``dtype``."""
+        leaf = self.leaf if self.columns is None else self.leaf[:, slice(*self.columns)]
+        return host_layout(leaf, self.transposed, dtype, f"tensor '{self.name}'")
+
+
+def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
+    """Every slot's tensor in ``params``, after checking that ``params`` holds exactly the slots'
+    leaves with the slots' shapes (the inverse of loading)."""
     leaves = _leaves_by_path(params)
     extra = sorted(".".join(map(str, p)) for p in set(leaves) - {slot.path for slot in slots.values()})
     if extra:
@@ -373,13 +402,11 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[tuple[str, Any, bool]]:
         leaf = leaves.get(slot.path)
         if leaf is None:
             raise CheckpointError(f"params lack tensor '{name}' that the config requires")
-        if slot.columns:
-            leaf = leaf[:, slice(*slot.columns)]
-        shape = tuple(reversed(leaf.shape)) if slot.transposed else tuple(leaf.shape)
-        if shape != slot.shape:
-            raise CheckpointError(f"tensor '{name}' has shape {list(shape)} in params, "
+        tensor = HFTensor(name, leaf, slot.columns or None, slot.transposed)
+        if tensor.shape != slot.shape:
+            raise CheckpointError(f"tensor '{name}' has shape {list(tensor.shape)} in params, "
                                   f"config expects {list(slot.shape)}")
-        out.append((name, leaf, slot.transposed))
+        out.append(tensor)
     return out
 
 

@@ -283,7 +283,8 @@ def train_in_run(target: Target, rows: data.TokenRows, out_dir: str | Path, draf
         state, lambda s, lr, t, m: step_fn(s, lr, target_params, t, m),
         lambda step: rows.batch(step, train.batch_size, train.seed), optim=train.optim, ckpt_dir=ckpt_dir,
         save_every=train.save_every, resume=resume, time_budget=train.time_budget, desc="draft", postfix=_postfix)
-    export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True, max_shard_mb=max_shard_mb)
+    export_draft(draft_config, state.params, out_dir, dtype=export_dtype, overwrite=True, max_shard_mb=max_shard_mb,
+                 progress=True)
     return Draft(draft_config, state.params, Path(out_dir))
 
 

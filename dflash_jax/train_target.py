@@ -34,6 +34,7 @@ from flax import struct
 from tqdm import tqdm
 
 from checkpoints_convert import export_target
+from checkpoints_convert.convert import check_replaceable
 from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
@@ -202,6 +203,7 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
                f"{ckpt_dir / RUN_FILE} does not record which --out its run writes")
         raise FileExistsError(f"{out_dir} already exists and is not empty ({why}): pass --overwrite to replace "
                               "it, or choose another --out")
+    check_replaceable(out_dir, overwrite=True)  # the export at the end replaces only a model folder
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     write_json(ckpt_dir / RUN_FILE, {**run, "out": str(out_dir.absolute())})
 
@@ -466,9 +468,8 @@ def train_target(run: TargetRun, *, eval_every: int = 250, max_shard_mb: int = D
         evaluate=make_evaluator(config, eval_rows, train.batch_size, train.compute_dtype), eval_every=eval_every)
 
     out_dir = run.out_dir
-    export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True, max_shard_mb=max_shard_mb)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out_dir / name).write_bytes((run.ckpt_dir / "tokenizer" / name).read_bytes())
+    export_target(config, state.params, out_dir, dtype="bfloat16", overwrite=True, max_shard_mb=max_shard_mb,
+                  side_files_from=run.ckpt_dir / "tokenizer", progress=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": config.eos_token_ids[0],
                                                                 "do_sample": False}))
     (out_dir / "corpus.json").write_text(json.dumps(run.corpus, indent=1))

@@ -18,7 +18,9 @@ from safetensors.torch import save_file
 
 import checkpoints_convert
 from checkpoints_convert import convert, export_draft, export_target
+from checkpoints_convert.convert import SIDE_FILES
 from dflash_jax import checkpoint
+from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.models import load_draft, load_target
 from dflash_jax.params import cast_params
 
@@ -246,6 +248,32 @@ def test_export_target_loads_in_transformers_with_identical_weights(tmp_path, ti
     again = load_target(out, dtype="float32")
     assert again.config == target.config and again.config.eos_token_ids == (5, 7)
     assert_same_tree(again.params, target.params)
+
+
+def test_export_target_side_files_in_place_and_refusals(tmp_path):
+    make_target(tmp_path / "hf")
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "hf" / "README.md").write_text("not a side file")
+    target = load_target(tmp_path / "hf", dtype="float32")
+    out = export_target(target.config, target.params, tmp_path / "exported", side_files_from=tmp_path / "hf")
+    side = sorted(p.name for p in out.iterdir() if p.name not in ("config.json", "model.safetensors"))
+    assert side == sorted(name for name in SIDE_FILES if (tmp_path / "hf" / name).is_file())
+    assert "chat_template.jinja" in side and "README.md" not in side
+    # saved back in place: the side files are read before the folder is replaced
+    export_target(target.config, target.params, out, dtype="bfloat16", side_files_from=out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir() if p.name not in ("config.json", "model.safetensors")) == side
+    assert load_target(out).params.embed.dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match="config must be a ModelConfig, got Target"):
+        export_target(target, target.params, tmp_path / "x")
+    with pytest.raises(TypeError, match="params must be a TargetParams, got ModelConfig"):
+        export_target(target.config, target.config, tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="side_files_from"):
+        export_target(target.config, target.params, tmp_path / "x", side_files_from=tmp_path / "missing")
+    # a float16 cast that overflows is refused, naming the tensor, as conversion refuses it
+    big = target.params.replace(norm=target.params.norm.at[0].set(1e6))
+    with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' has values beyond float16's range"):
+        export_target(target.config, big, tmp_path / "x", dtype="float16")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])

@@ -220,6 +220,7 @@ def test_resume_replaces_only_the_output_its_run_records(tmp_path):
                               resume=False, desc="claim", postfix=lambda m: {})
     for folder in (own, other):
         folder.mkdir()
+        (folder / "config.json").write_text("{}")
         (folder / "model.safetensors").write_text("keep me")
     train_target.claim_run_folders(ckpt, own, run, resume=True, overwrite=False)         # the run's own --out
     with pytest.raises(FileExistsError, match=f"the run in .* writes {own}.* --overwrite"):
@@ -234,6 +235,11 @@ def test_resume_replaces_only_the_output_its_run_records(tmp_path):
     assert json.loads((ckpt / "run.json").read_text())["out"] == str(tmp_path / "new")
     train_target.claim_run_folders(ckpt, other, run, resume=True, overwrite=True)
     assert (own / "model.safetensors").read_text() == (other / "model.safetensors").read_text() == "keep me"
+    # the export replaces only a model folder, so a run that could not end in one is refused up front
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a model folder"):
+        train_target.claim_run_folders(ckpt, tmp_path / "notes", run, resume=True, overwrite=True)
     # the export replaces --out whole: it must not hold the checkpoints or the run's inputs
     target = {"--target": tmp_path / "in"}
     for out, inputs in ((tmp_path, None), (ckpt, None), (tmp_path / "in", target), (tmp_path, target),
