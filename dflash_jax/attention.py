@@ -118,18 +118,14 @@ def project(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None, imp
 
 def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int) -> None:
     """Raise before compiling when the attention kernels ``impl`` selects cannot run these
-    models (the kernels need power-of-two head_dim >= 16, GQA group and page size, block <= 128)."""
+    models (the kernels need a power-of-two head_dim >= 16 and page size, and block <= 128)."""
     if resolve_impl(impl, "verify_attention") == "reference":
         return
     power_of_two = pk_tuning.is_power_of_2
     problems = []
     for config in configs:
-        group = config.num_heads // config.num_kv_heads
         if not (power_of_two(config.head_dim) and config.head_dim >= 16):
             problems.append(f"head_dim {config.head_dim} (needs a power of two >= 16)")
-        if not power_of_two(group):
-            problems.append(f"{config.num_heads} query heads over {config.num_kv_heads} KV heads "
-                            "(the group must be a power of two)")
     if not power_of_two(page_size):
         problems.append(f"page_size {page_size} (needs a power of two)")
     if block_size > 128:

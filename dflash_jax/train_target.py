@@ -325,10 +325,8 @@ class TinyTargetShape:
     max_position_embeddings: int = 4096
 
     def __post_init__(self):
-        group = self.num_heads // max(self.num_kv_heads, 1)
-        if self.num_heads % self.num_kv_heads or not is_power_of_2(group):
-            raise ValueError(f"num_heads {self.num_heads} must be a power-of-two multiple of num_kv_heads "
-                             f"{self.num_kv_heads} (the attention kernels' GQA layout)")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim < 16 or not is_power_of_2(self.head_dim):
             raise ValueError(f"head_dim {self.head_dim} must be a power of two >= 16 (the attention kernels)")
 

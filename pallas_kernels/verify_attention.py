@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import gather_pages
-from pallas_kernels.tuning import AttentionBlocks, attention_blocks, is_power_of_2
+from pallas_kernels.tuning import AttentionBlocks, attention_blocks, is_power_of_2, next_power_of_2
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
@@ -228,9 +228,8 @@ def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> N
         raise ValueError(f"k_pages head_dim {kv_dim} != q head_dim {head_dim}")
     if not is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"q head_dim must be a power of two >= 16, got {head_dim}")
-    if q_heads % kv_heads or not is_power_of_2(q_heads // kv_heads):
-        raise ValueError(f"q heads ({q_heads}) must be a power-of-two multiple of k_pages "
-                         f"kv_heads ({kv_heads})")
+    if q_heads % kv_heads:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of k_pages kv_heads ({kv_heads})")
     if not is_power_of_2(page_size):
         raise ValueError(f"k_pages page_size must be a power of two, got {page_size}")
     if q.dtype not in _SUPPORTED_DTYPES:
@@ -246,11 +245,17 @@ def check_paged_args(q, k_pages, v_pages, page_table, lens, lens_name: str) -> N
                          f"{lens.dtype} {lens.shape}")
 
 
+def padded_group(q_heads: int, kv_heads: int) -> int:
+    """Query heads per KV head as the kernels hold them: a group that is not a power of two
+    (Qwen3-14B: 40 over 8) is padded with zero queries up to one, whose rows are dropped."""
+    return next_power_of_2(q_heads // kv_heads)
+
+
 def choose_blocks(q, k_pages, page_table, extra_smem_bytes: int = 0, **tuning) -> AttentionBlocks:
     """The tuning rule's blocks (overridden by any tuning keyword given), validated."""
     batch, q_len, q_heads, head_dim = q.shape
     page_size, kv_heads = k_pages.shape[1:3]
-    group = q_heads // kv_heads
+    group = padded_group(q_heads, kv_heads)
     blocks = attention_blocks(q_len=q_len, group=group, head_dim=head_dim, page_size=page_size,
                               pages_per_seq=page_table.shape[1], batch=batch, kv_heads=kv_heads,
                               itemsize=q.dtype.itemsize, extra_smem_bytes=extra_smem_bytes, **tuning)
@@ -287,10 +292,11 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
     """
     batch, q_len, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    group = q_heads // kv_heads
+    group = padded_group(q_heads, kv_heads)
     splits = blocks.num_splits
     grid = (splits, pl.cdiv(q_len, blocks.block_t), batch, kv_heads)
-    q5 = q.reshape(batch, q_len, kv_heads, group, head_dim)
+    q5 = q.reshape(batch, q_len, kv_heads, q_heads // kv_heads, head_dim)
+    q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, group - q5.shape[3]), (0, 0)))
 
     seq_spec = pl.BlockSpec((batch,), lambda s, i, b, h: (0,))
     pt_spec = pl.BlockSpec((None, page_table.shape[1]), lambda s, i, b, h: (b, 0))
@@ -323,7 +329,7 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
         name=name,
     )(*[x.astype(jnp.int32) for x in seq_scalars], page_table, q5, k_pages, v_pages, *block_kv)
     out = outs[0] if splits == 1 else combine_splits(*outs)
-    return out.reshape(q.shape)
+    return out[:, :, :, :q_heads // kv_heads].reshape(q.shape)
 
 
 # ---------------------------------------------------------------------------------------------

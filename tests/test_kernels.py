@@ -102,7 +102,9 @@ VERIFY_CASES = [
      TUNINGS[(i // 2 + i // 4) % 4])
     for i, (dtype, group, head_dim, window) in enumerate(VERIFY_GRID)
 ] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16}),
-     ("bf16", 4, 128, 16, None, 16, {"pages_per_block": 4, "num_stages": 3, "num_splits": 1})]
+     ("bf16", 4, 128, 16, None, 16, {"pages_per_block": 4, "num_stages": 3, "num_splits": 1}),
+     # groups that are not a power of two (Qwen3-14B: 40 heads over 8) ride padded to one
+     ("bf16", 5, 128, 16, None, 16, {}), ("f32", 3, 64, 32, 20, 37, {"num_splits": 3})]
 
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -133,7 +135,8 @@ def test_verify_attention(case, interpret, check):
 DRAFT_GRID = _grid(("f32", "bf16"), (1, 4, 8), (False, True), (None, 12))
 DRAFT_SHAPES = ((64, 16, 16), (128, 32, 8), (128, 16, 16), (64, 32, 4))
 DRAFT_CASES = [(*c, *DRAFT_SHAPES[(i + i // 2) % 4], TUNINGS[(i + i // 4) % 4])
-               for i, c in enumerate(DRAFT_GRID)]
+               for i, c in enumerate(DRAFT_GRID)] + [
+    ("bf16", 5, False, None, 128, 16, 16, {}), ("f32", 3, True, 12, 64, 32, 8, {"num_splits": 2})]
 
 
 @pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -383,6 +386,7 @@ LOWERINGS = {
     "verify_one_split": (pk.paged_verify_attention, _attention_shapes(batch=32), {}),
     "prefill": (pk.paged_verify_attention, _attention_shapes(batch=1, q_len=1000), {}),
     "verify_f32": (pk.paged_verify_attention, _attention_shapes(dtype=jnp.float32), {}),
+    "verify_group_5": (pk.paged_verify_attention, _attention_shapes(q_heads=40), {}),
     "draft": (pk.paged_draft_attention, _draft_shapes(), {}),
     "draft_causal_window": (pk.paged_draft_attention, _draft_shapes(batch=32),
                             {"causal": True, "sliding_window": 32}),

@@ -44,6 +44,21 @@ def test_kernels_match_reference_end_to_end(models):
 
 def test_kernel_shape_limits_raise_before_compiling(models):
     target, _ = models
-    odd = Target(dataclasses.replace(TARGET, num_heads=6, num_kv_heads=2), target.params)
-    with pytest.raises(ValueError, match="power of two.*impl='reference'"):
+    odd = Target(dataclasses.replace(TARGET, head_dim=48), target.params)
+    with pytest.raises(ValueError, match="head_dim 48 .needs a power of two.*impl='reference'"):
         generate(odd, [[1, 2, 3]], impl="interpret", max_new_tokens=2)
+
+
+def test_gqa_group_that_is_not_a_power_of_two():
+    """Qwen3-14B has 40 query heads over 8 KV heads: the kernels pad the group of 5 to 8."""
+    target_config = dataclasses.replace(TARGET, num_heads=6, num_kv_heads=2)
+    draft_config = dataclasses.replace(DRAFT, model=dataclasses.replace(DRAFT.model, num_heads=6, num_kv_heads=2))
+    target = Target(target_config, jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x,
+                                                init_target_params(target_config, jax.random.key(2), jnp.float32)))
+    draft = Draft(draft_config, init_draft_params(draft_config, jax.random.key(3), jnp.float32))
+    prompts, kwargs = [[3, 1, 4, 1, 5], list(range(20, 41))], dict(max_new_tokens=12, stop_token_ids=None)
+    plain = generate(target, prompts, impl="reference", **kwargs)
+    spec_kernels = generate(target, prompts, draft=draft, impl="interpret", **kwargs)
+    assert spec_kernels.tokens == plain.tokens
+    assert spec_kernels.stats.accept_lengths == generate(target, prompts, draft=draft, impl="reference",
+                                                         **kwargs).stats.accept_lengths
