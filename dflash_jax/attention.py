@@ -116,9 +116,10 @@ def project(x, w, *, norm_weight=None, eps=1e-6, gated=False, residual=None, imp
     return pk.fused_matmul(x, w, **kw, **_kernel_kwargs(impl))
 
 
-def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int) -> None:
+def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int, itemsize: int) -> None:
     """Raise before compiling when the attention kernels ``impl`` selects cannot run these
-    models (the kernels need a power-of-two head_dim >= 16 and page size, and block <= 128)."""
+    models in a dtype of ``itemsize`` bytes (the kernels need a power-of-two head_dim >= 16 and
+    page size, block <= 128, and one page of K/V beside the draft block in shared memory)."""
     if resolve_impl(impl, "verify_attention") == "reference":
         return
     power_of_two = pk_tuning.is_power_of_2
@@ -130,6 +131,17 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
         problems.append(f"page_size {page_size} (needs a power of two)")
     if block_size > 128:
         problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
+    if not problems:
+        for config in configs:  # the draft kernel's shared memory (the largest of the attention kernels')
+            try:
+                pk_tuning.attention_blocks(
+                    q_len=block_size, group=pk_tuning.next_power_of_2(config.num_heads // config.num_kv_heads),
+                    head_dim=config.head_dim, page_size=page_size, pages_per_seq=1, batch=1,
+                    kv_heads=config.num_kv_heads, itemsize=itemsize,
+                    extra_smem_bytes=2 * block_size * config.head_dim * itemsize)
+            except ValueError as error:
+                problems.append(f"page_size {page_size} ({error})")
+                break
     if resolve_impl(impl, "fused_matmul") != "reference":
         for config in configs:
             widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,

@@ -235,7 +235,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
                         block_size=1 if block_size is None else block_size, impl=impl, accept_replay=accept_replay)
 
     configs = [target.config] + ([draft.config.model] if draft is not None else [])
-    check_kernel_shapes(impl, configs, page_size, config.block_size)
+    check_kernel_shapes(impl, configs, page_size, config.block_size, target.params.embed.dtype.itemsize)
     lens = [len(p) for p in prompts]
     limit = target.config.max_position_embeddings
     for i, (n, m) in enumerate(zip(lens, max_new)):

@@ -93,18 +93,28 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     kv_64_stage = 2 * 64 * head_dim * itemsize
     co_resident = (small and rows == 64 and page_size <= 64 and programs >= NUM_SMS and
                    2 * (3 * kv_64_stage + rows * head_dim * itemsize + extra_smem_bytes) <= SM_SHARED_MEMORY)
+    q_bytes = rows * head_dim * itemsize
+
+    def stage_bytes(pages: int) -> int:
+        return 2 * pages * page_size * head_dim * itemsize
+
+    fewest_pages = max(1, 16 // page_size)
     if pages_per_block is None:
         kv_tokens = 64 if co_resident or not small else 128
-        pages_per_block = max(1, kv_tokens // page_size, 16 // page_size)
-    stage_bytes = 2 * pages_per_block * page_size * head_dim * itemsize
-    q_bytes = rows * head_dim * itemsize
+        pages_per_block = max(1, kv_tokens // page_size, fewest_pages)
+        # large pages or head_dim, f32 or a long draft block: halve the tile until one stage fits
+        while (pages_per_block > fewest_pages and
+               stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > SMEM_BUDGET):
+            pages_per_block //= 2
     if num_stages is None:
         num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
-                          if s == 1 or s * stage_bytes + q_bytes + extra_smem_bytes <= SMEM_BUDGET)
-    if stage_bytes + q_bytes + extra_smem_bytes > SMEM_BUDGET:
-        raise ValueError(f"one KV stage ({stage_bytes} B), the query tile ({q_bytes} B) and the block's own "
-                         f"K/V ({extra_smem_bytes} B) exceed the {SMEM_BUDGET} B of shared memory a program "
-                         "may use: take fewer pages_per_block or a smaller block_t")
+                          if s == 1 or s * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes <= SMEM_BUDGET)
+    if stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > SMEM_BUDGET:
+        smaller = "a smaller page_size" if pages_per_block == fewest_pages else "fewer pages_per_block"
+        raise ValueError(f"one KV stage ({stage_bytes(pages_per_block)} B: {pages_per_block} page(s) of {page_size} "
+                         f"tokens), the query tile ({q_bytes} B) and the block's own K/V ({extra_smem_bytes} B) "
+                         f"exceed the {SMEM_BUDGET} B of shared memory a program may use: take {smaller} "
+                         "or a smaller block_t")
     if num_splits is None:
         target = NUM_SMS * (2 if rows <= 16 or co_resident else 1)
         tiles = -(-pages_per_seq // pages_per_block)

@@ -426,7 +426,7 @@ def test_lowers_for_cuda(name):
 
 BAD_ARGS = [
     ("q", lambda: _attention_shapes(head_dim=48)),
-    ("q heads", lambda: _attention_shapes(q_heads=24)),
+    ("q heads", lambda: _attention_shapes(q_heads=20)),
     ("k_pages/v_pages dtype", lambda: (S((2, 16, 32, 128), jnp.float32), *_attention_shapes()[1:])),
     ("page_size", lambda: _attention_shapes(page_size=24)),
     ("page_table", lambda: (*_attention_shapes()[:3], S((2, 64), jnp.int64 if jax.config.x64_enabled
@@ -452,6 +452,17 @@ def test_attention_block_rule():
     assert (small.pages_per_block, small.num_splits) == (8, 2)
     draft = pk_tuning.attention_blocks(batch=32, extra_smem_bytes=2 * 16 * 128 * 2, **shape)
     assert (draft.pages_per_block, draft.num_splits) == (8, 1)
+
+
+def test_tiling_rule_shrinks_the_kv_tile_to_fit_and_names_the_page_size():
+    """Where 64 tokens of K/V do not fit beside the query tile (f32 at head_dim 256 with a draft
+    block), the rule halves the tile; where one page alone does not fit, it says so."""
+    shape = dict(q_len=16, group=4, head_dim=256, pages_per_seq=64, batch=1, kv_heads=8, itemsize=4)
+    blocks = pk_tuning.attention_blocks(page_size=16, extra_smem_bytes=2 * 16 * 256 * 4, **shape)
+    assert blocks.pages_per_block == 2 and blocks.num_stages == 1
+    with pytest.raises(ValueError, match="take a smaller page_size"):
+        pk_tuning.attention_blocks(page_size=128, **shape)
+    jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(head_dim=256, dtype=jnp.float32))
 
 
 def test_rejects_bad_tuning_and_block_shapes():

@@ -47,6 +47,8 @@ def test_kernel_shape_limits_raise_before_compiling(models):
     odd = Target(dataclasses.replace(TARGET, head_dim=48), target.params)
     with pytest.raises(ValueError, match="head_dim 48 .needs a power of two.*impl='reference'"):
         generate(odd, [[1, 2, 3]], impl="interpret", max_new_tokens=2)
+    with pytest.raises(ValueError, match="page_size 4096 .one KV stage.*take a smaller page_size"):
+        generate(target, [[1, 2, 3]], impl="interpret", max_new_tokens=2, page_size=4096)
 
 
 def test_gqa_group_that_is_not_a_power_of_two():
