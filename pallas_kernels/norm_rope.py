@@ -38,10 +38,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _inv_freq(head_dim: int, theta: float) -> jax.Array:
-    """theta ** (-2i / head_dim) rounded once to f32: computed in float64 on the host, because an
-    f32 ``pow`` gives different last bits eagerly and under jit (XLA folds the constant), which
-    shifts the RoPE phase by ~1e-3 rad at position 32k."""
-    return jnp.asarray(1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim), jnp.float32)
+    """1 / theta ** (2i / head_dim) in f32 as transformers computes it: the power rounded to f32,
+    then its reciprocal. One rounding instead of two put 24 of Qwen3-8B's 64 frequencies 1 ulp
+    off HF's (a phase error of 4e-3 at position 32k); now at most one differs (torch's f32 ``pow``
+    is not always correctly rounded). Computed on the host in float64 and rounded there, because
+    an f32 ``pow`` gives different last bits eagerly and under jit (XLA folds the constant)."""
+    power = np.float32(theta ** (np.arange(0, head_dim, 2) / head_dim))
+    return jnp.asarray(np.float32(1.0 / power.astype(np.float64)))
 
 
 def rope_half_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
@@ -152,7 +155,7 @@ def _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows: int, 
                              *_rope_rows(cos_ref, sin_ref, token, ok), eps=eps, dtype=x_ref.dtype)
 
 
-def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array) -> None:
+def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array, weight_name: str) -> None:
     if x.ndim != 4:
         raise ValueError(f"{name} must be [batch, T, heads, head_dim], got shape {x.shape}")
     if 0 in x.shape[:3]:
@@ -163,7 +166,7 @@ def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if weight.shape != (head_dim,):
-        raise ValueError(f"weight must be [head_dim={head_dim}], got {weight.shape}")
+        raise ValueError(f"{weight_name} must be [head_dim={head_dim}], got {weight.shape}")
     if positions.shape != x.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions must be an integer [batch, T] = {x.shape[:2]} array, got "
                          f"{positions.dtype} {positions.shape}")
@@ -251,7 +254,7 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positi
     pages are aliased to the outputs: donate them (or call inside a jit that owns them) and the
     update is in place; otherwise XLA copies them first.
     """
-    _check_rows("k", k, k_norm_weight, positions)
+    _check_rows("k", k, k_norm_weight, positions, "k_norm_weight")
     if v.shape != k.shape:
         raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
     _check_pages(k, k_pages, v_pages, page_table)
@@ -374,7 +377,7 @@ def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, positions, num_head
     batch, q_len, width = qkv.shape
     head_dim = width // slots
     _check_rows("qkv", jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), qkv.dtype), q_norm_weight,
-                positions)
+                positions, "q_norm_weight")
     if k_norm_weight.shape != (head_dim,):
         raise ValueError(f"k_norm_weight must be [head_dim={head_dim}], got {k_norm_weight.shape}")
     return batch, q_len, head_dim, batch * q_len * slots

@@ -194,3 +194,12 @@ def test_bf16_params_within_bf16_tolerance(case):
             assert np.isfinite(ours).all()
             err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
             assert err < 2e-2, f"{case['name']} seq {b} phase {phase}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("theta,head_dim", [(1e6, 128), (1e4, 64), (5e5, 128)])
+def test_rope_frequencies_round_as_transformers(theta, head_dim):
+    """The inverse frequencies are HF's f32 ones (a 1-ulp difference grows with the position:
+    4e-3 of phase at 32k), all but at most one whose f32 pow torch rounds the other way."""
+    from pallas_kernels.norm_rope import _inv_freq
+    hf = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    assert int((np.asarray(_inv_freq(head_dim, theta)) != hf.numpy()).sum()) <= 1
