@@ -248,7 +248,13 @@ def test_norm_rope_write(case, interpret, check):
     kw = dict(eps=1e-6, theta=1e4)
     k_out, v_out = pk.norm_rope_write(*args, interpret=interpret, **kw)
     k_ref, v_ref = _reference(pk.norm_rope_write_reference, *args, **kw)
-    check(k_out, k_ref, dtype)
+    # the written slots against the reference's (on their own: they are ~5% of the pages), and
+    # every other slot untouched
+    k_out, k_ref, before = (np.asarray(x, np.float32) for x in (k_out, k_ref, pages[0]))
+    written = np.any(k_ref != before, axis=-1)
+    assert 0 < written.sum() < batch * q_len * heads  # some positions fall outside the table
+    check(k_out[written], k_ref[written], dtype)
+    np.testing.assert_array_equal(k_out[~written], before[~written])
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
 
 
