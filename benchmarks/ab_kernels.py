@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import run_loop  # noqa: E402
 from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
-                    positive_int, random_models, run_record, write_json)
+                    positive_int, random_models, require_gpu, run_record, write_json)
 
 from dflash_jax import attention  # noqa: E402
 
@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
+    require_gpu(args.shape)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run_record(args)
     report.update(op=args.op, alpha=args.alpha, rows=[])
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None):
     default = attention.AUTO_KERNELS[args.op]
     try:
         for round_ in range(args.rounds):
-            for on in (True, False):
+            for on in ((True, False) if round_ % 2 == 0 else (False, True)):  # a drift hits both alike
                 attention.AUTO_KERNELS[args.op] = on
                 jax.clear_caches()
                 for batch, block, context in args.cases:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, acceptance_rates, auto_kernel_overrides, check_block_sizes,  # noqa: E402
                     check_positions, measure_ceilings, median_seconds, names_from, output_dir,
                     override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
-                    run_record, write_json)
+                    require_gpu, run_record, write_json)
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
@@ -85,7 +85,8 @@ class Cost:
 
 class Roofline:
     """What each part of a step must move and compute (the weights it reads, the context's KV
-    cache; matmuls at 2 FLOPs per weight per token), turned into a floor time by the measured
+    cache; matmuls at 2 FLOPs per weight per token, attention at 4 per query head and dimension
+    per (query, key) pair), turned into a floor time by the measured
     ceilings: the larger of bytes over the copy bandwidth and FLOPs over the matmul rate. A DFlash
     step is its three parts: draft, verify and commit."""
 
@@ -106,18 +107,26 @@ class Roofline:
         self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize, 2 * (nparams(d.fc) + kv_columns))
         kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * cfg.num_layers  # noqa: E731  (K+V, bf16)
         self.target_kv_token, self.draft_kv_token = kv_per_token(tc), kv_per_token(dc)
+        # Attention FLOPs per (query, key) pair: q.k and p.v over every query head of every layer.
+        attention_per_pair = lambda cfg: 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers  # noqa: E731
+        self.target_attention, self.draft_attention = attention_per_pair(tc), attention_per_pair(dc)
 
     def seconds(self, cost: Cost) -> float:
         return max(cost.bytes / self.bw, cost.flops / self.rate)
 
     def verify(self, batch, context, block) -> Cost:
-        """The target over ``block`` tokens per sequence (block 1: a plain decode step)."""
-        return Cost(self.target.bytes + batch * context * self.target_kv_token, self.target.flops * batch * block)
+        """The target over ``block`` tokens per sequence (block 1: a plain decode step); the new
+        tokens attend to the context and, causally, to each other."""
+        pairs = batch * block * (context + (block + 1) / 2)
+        return Cost(self.target.bytes + batch * context * self.target_kv_token,
+                    self.target.flops * batch * block + self.target_attention * pairs)
 
     def draft(self, batch, context, block) -> Cost:
-        """The draft's block pass over ``block`` positions and its logits for the block-1 drafts."""
+        """The draft's block pass over ``block`` positions (each attending to the context and the
+        whole block) and its logits for the block-1 drafts."""
         return Cost(self.draft_layers.bytes + self.draft_head.bytes + batch * context * self.draft_kv_token,
-                    self.draft_layers.flops * batch * block + self.draft_head.flops * batch * (block - 1))
+                    self.draft_layers.flops * batch * block + self.draft_head.flops * batch * (block - 1)
+                    + self.draft_attention * batch * block * (context + block))
 
     def commit(self, batch, block) -> Cost:
         """The committed block's context K/V for the draft (fc and the k/v projections)."""
@@ -161,9 +170,11 @@ def mean_context(context: int, accept_lengths: np.ndarray) -> float:
 
 
 def summarize_chunks(chunks: list[Chunk], context: int) -> dict:
-    """Median ms per step over the chunks; tau and mean context pooled over all of them."""
+    """Median ms per step over the chunks (each chunk's too, for the spread); tau and mean
+    context pooled over all of them."""
     lengths = np.concatenate([chunk.accept_lengths for chunk in chunks])
-    return {"ms_per_step": statistics.median(chunk.seconds / chunk.steps for chunk in chunks) * 1e3,
+    per_chunk = [chunk.seconds / chunk.steps * 1e3 for chunk in chunks]
+    return {"ms_per_step": statistics.median(per_chunk), "ms_per_step_chunks": per_chunk,
             "tau_measured": float(np.mean(lengths)), "mean_context": mean_context(context, lengths),
             "steps": chunks[0].steps, "repeats": len(chunks)}
 
@@ -280,6 +291,9 @@ def load_reference(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         reference.get(key), (int, float)) or reference[key] <= 0]
     if bad:
         parser.error(f"--reference-json {path}: needs positive numbers {', '.join(bad)} (run bench_reference.py)")
+    if reference.get("block", REFERENCE_BLOCK) != REFERENCE_BLOCK:
+        parser.error(f"--reference-json {path}: the reference was timed at block {reference['block']}, "
+                     f"ours is compared at block {REFERENCE_BLOCK}")
     reference.setdefault("context", 512)  # bench_reference.py's default; older JSONs did not say
     context = reference["context"]
     runs_cell = 1 in args.batches and REFERENCE_BLOCK in args.blocks and context in args.contexts
@@ -334,6 +348,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
 
 def main(argv: list[str] | None = None):
     args, reference = parse_args(argv)
+    require_gpu(args.shape)
+    device = jax.devices()[0].device_kind
+    if reference and reference.get("device", device) != device and args.shape != "tiny":
+        print(f"error: --reference-json was measured on {reference['device']}, this run is on {device}: "
+              "a ratio of step times needs one GPU", file=sys.stderr)
+        raise SystemExit(2)
+    # One stop-check interval for the plain chunks (2 x steps) and the DFlash ones (steps).
+    steps_per_check = args.steps_per_check or default_steps_per_check(args.steps)
     auto_kernels = override_auto_kernels(args.auto_kernels)
     # Identical programs (a prefill shared by several block sizes) compile once.
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
@@ -357,7 +379,7 @@ def main(argv: list[str] | None = None):
 
     def baseline(batch, context):
         run = run_loop(target, None, batch, context, 1, args.steps * 2, [None], args.repeats, rng, args.impl,
-                       args.steps_per_check)[None]
+                       steps_per_check)[None]
         row = baseline_row(run, batch)
         row["roofline_ms"] = roof.seconds(roof.verify(batch, context, 1)) * 1e3
         row["fraction_of_roofline"] = row["roofline_ms"] / row["ms_per_step"]
@@ -388,7 +410,7 @@ def main(argv: list[str] | None = None):
                 base = decode.get(f"bs{batch}_ctx{context}") or baseline(batch, context)
                 for block in args.blocks:
                     runs = run_loop(target, draft, batch, context, block, args.steps, args.alphas, args.repeats,
-                                    rng, args.impl, args.steps_per_check)
+                                    rng, args.impl, steps_per_check)
                     for alpha, run in runs.items():
                         row = e2e_row(run, base, batch, alpha, block)
                         row["step_roofline_ms"] = roof.seconds(roof.dflash_step(batch, context, block)) * 1e3

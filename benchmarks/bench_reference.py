@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None):
         copies.append(time.perf_counter() - start)
     copy_bw = 10 * 2 * src.numel() * 2 / statistics.median(copies[1:])
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dflash": metadata.version("dflash"),
+              "transformers": metadata.version("transformers"), "cuda": torch.version.cuda,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(sys.argv),
               "context": args.context, "new_tokens": args.new_tokens, "repeats": args.repeats, "block": BLOCK,
               "decode_step_s": decode, "dflash_step_s": dflash_step, "copy_bandwidth_bytes_per_s": copy_bw}

@@ -221,6 +221,15 @@ def measure_ceilings(buffer_mib: int, matmul_size: int, repeats: int = 5) -> dic
 
 # ----------------------------------------------------------------------------- models and inputs
 
+def require_gpu(shape: str) -> None:
+    """Exit with one ``error:`` line when a real-shape run would time a CPU (``--shape tiny`` is
+    the CPU smoke test): without a GPU it would build 16 GB of weights and time nothing useful."""
+    if shape != "tiny" and jax.default_backend() != "gpu":
+        print(f"error: --shape {shape} is timed on a GPU, and jax sees only {jax.default_backend()} "
+              "(--shape tiny is the CPU smoke test)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def random_models(shape: str) -> tuple[Target, Draft]:
     """A bf16 target and draft of ``SHAPES[shape]`` with random weights (speed does not depend
     on their values)."""

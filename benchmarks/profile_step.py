@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, acceptance_rate, auto_kernel_overrides, check_block_sizes, check_positions,  # noqa: E402
                     names_from, output_dir, override_auto_kernels, positive_int, random_models, random_prompts,
-                    run_record, write_json)
+                    require_gpu, run_record, write_json)
 
 from dflash_jax.attention import IMPLS  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
@@ -109,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
+    require_gpu(args.shape)
     override_auto_kernels(args.auto_kernels)
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = random_models(args.shape)

@@ -154,7 +154,14 @@ def test_roofline_charges_the_draft_what_its_block_pass_reads():
     part = roof.draft(2, 0, 16)
     assert part.bytes == n(d.layers) + n(d.norm) + n(t.lm_head)  # no fc: only commit reads it
     head = t.lm_head.size
-    assert part.flops == 2 * (bench_e2e.nparams(d.layers) + d.norm.size) * 2 * 16 + 2 * head * 2 * 15
+    dc, tc = draft.config.model, target.config
+    assert roof.draft_attention == 4 * dc.num_heads * dc.head_dim * dc.num_layers
+    attention = roof.draft_attention * 2 * 16 * 16  # 16 queries x 16 keys (the block) per sequence
+    assert part.flops == 2 * (bench_e2e.nparams(d.layers) + d.norm.size) * 2 * 16 + 2 * head * 2 * 15 + attention
+    # verify: every new token sees the context and the new tokens up to itself
+    verify = roof.verify(2, 100, 4)
+    pairs = 2 * (4 * 100 + (1 + 2 + 3 + 4))
+    assert verify.flops == roof.target.flops * 2 * 4 + 4 * tc.num_heads * tc.head_dim * tc.num_layers * pairs
     step = roof.dflash_step(2, 0, 16)
     kv_columns = sum(layer.qkv_proj.shape[0] * (layer.qkv_proj.shape[1] - layer.q_size) for layer in d.layers)
     assert step.bytes == roof.verify(2, 0, 16).bytes + part.bytes + n(d.fc) + 2 * kv_columns
@@ -180,8 +187,8 @@ def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "ab_kernels.json").read_text())["rows"]
     settings = [(r["round"], r["on"], r["batch"], r["block"], r["context"]) for r in rows]
-    assert settings == [(n, on, *case) for n in (0, 1) for on in (True, False)
-                        for case in ((1, 0, 16), (2, 4, 512))]
+    assert settings == [(n, on, *case) for n, order in ((0, (True, False)), (1, (False, True))) for on in order
+                        for case in ((1, 0, 16), (2, 4, 512))]  # the order turns each round: a drift hits both
     assert all(r["ms_per_step"] > 0 for r in rows)
     assert "| bs 2, ctx 512, DFlash block 4 |" in done.stdout
 
@@ -259,3 +266,13 @@ def test_the_reference_shortens_verify_blocks_only_at_the_end():
         hook.remove()
     full = block_lens.index(next(n for n in block_lens if n < 16)) if min(block_lens) < 16 else len(block_lens)
     assert full >= 1 and all(n < 16 for n in block_lens[full:]) and seconds > 0
+
+
+@pytest.mark.parametrize("script", [bench_e2e, profile_step, ab_kernels])
+def test_real_shape_runs_refuse_a_cpu_in_one_line(script, capsys, tmp_path):
+    argv = ["--out", str(tmp_path)] + (["--op", "write_kv"] if script is ab_kernels else [])
+    with pytest.raises(SystemExit) as exit_:
+        script.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: --shape qwen3-8b is timed on a GPU, and jax sees only cpu "
+                                               "(--shape tiny is the CPU smoke test)")
