@@ -15,6 +15,7 @@ import jax
 
 import pallas_kernels as pk
 from pallas_kernels import tuning as pk_tuning
+from pallas_kernels.verify_attention import padded_group
 
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
@@ -135,7 +136,7 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
         for config in configs:  # the draft kernel's shared memory (the largest of the attention kernels')
             try:
                 pk_tuning.attention_blocks(
-                    q_len=block_size, group=pk_tuning.next_power_of_2(config.num_heads // config.num_kv_heads),
+                    q_len=block_size, group=padded_group(config.num_heads, config.num_kv_heads),
                     head_dim=config.head_dim, page_size=page_size, pages_per_seq=1, batch=1,
                     kv_heads=config.num_kv_heads, itemsize=itemsize,
                     extra_smem_bytes=2 * block_size * config.head_dim * itemsize)

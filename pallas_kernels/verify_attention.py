@@ -6,7 +6,8 @@ tokens' K/V must already be written to the pages.
 
 The kernel (Pallas, Triton lowering) runs one program per (context split, query tile, sequence,
 KV head). A program holds the rows of every query head of its KV head for ``block_t`` query
-tokens (``rows = block_t * group``, GQA shares each K/V tile across the group) and streams the
+tokens (``rows = block_t * group``, GQA shares each K/V tile across the group; a group that is not
+a power of two rides padded with zero queries, ``padded_group``) and streams the
 sequence's pages through an online softmax, ``pages_per_block`` pages per step, reading only the
 pages its rows can see (ragged lengths, sliding window). When batch x heads is too small to fill
 the GPU the context is split over ``num_splits`` programs whose partial results are merged by
