@@ -93,16 +93,20 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
         block_m = min(64, max(16, next_power_of_2(m)))
     if block_n is None:
         block_n = 64
-    if block_k is None:
-        block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0 and (itemsize <= 2 or b <= 128)), 16)
+    if block_k is None:  # (a given num_splits must divide the K steps)
+        block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0 and (itemsize <= 2 or b <= 128)
+                        and (num_splits is None or (k // b) % num_splits == 0)), 16)
     steps = k // block_k
     if num_splits is None:
         programs = pl.cdiv(n, block_n) * pl.cdiv(m, block_m)
         num_splits = 1 if 2 * programs >= NUM_SMS else max(1, min(steps, pl.cdiv(NUM_SMS, programs)))
         while steps % num_splits:
             num_splits -= 1
+    stage_bytes = (block_m + (2 if gated else 1) * block_n) * block_k * itemsize
+    if stage_bytes > SMEM_BUDGET:
+        raise ValueError(f"one stage of x and weight tiles ({stage_bytes} B: block_m {block_m}, block_n {block_n}, "
+                         f"block_k {block_k}) exceeds the {SMEM_BUDGET} B of shared memory a program may use")
     if num_stages is None:
-        stage_bytes = (block_m + (2 if gated else 1) * block_n) * block_k * itemsize
         num_stages = max(1, min(3, SMEM_BUDGET // stage_bytes))
     num_warps = 4 if num_warps is None else num_warps
     check_launch(num_warps, num_stages)

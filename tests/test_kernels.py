@@ -545,6 +545,12 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
             jax.eval_shape(functools.partial(pk.fused_matmul, **kw), S((2, 64), BF), S((64, 32), BF))
     with pytest.raises(ValueError, match="at least one row"):
         jax.eval_shape(pk.fused_matmul, S((0, 64), BF), S((64, 32), BF))
+    # a tile too large for shared memory is refused here, not by the GPU at launch
+    with pytest.raises(ValueError, match="one stage of x and weight tiles .294912 B.* exceeds"):
+        jax.eval_shape(functools.partial(pk.fused_matmul, block_k=512, block_n=128),
+                       S((2, 1024), jnp.float32), S((1024, 256), jnp.float32))
+    # a given num_splits picks a K tile whose steps it divides (256 would leave one step for 2)
+    jax.eval_shape(functools.partial(pk.fused_matmul, num_splits=2), S((2, 256), BF), S((256, 64), BF))
 
 
 def test_write_pages_drops_page_ids_outside_the_pool():

@@ -64,3 +64,18 @@ def test_gqa_group_that_is_not_a_power_of_two():
     assert spec_kernels.tokens == plain.tokens
     assert spec_kernels.stats.accept_lengths == generate(target, prompts, draft=draft, impl="reference",
                                                          **kwargs).stats.accept_lengths
+
+
+def test_dispatch_point():
+    """auto: the kernels AUTO_KERNELS lists, on a GPU only; pallas needs a GPU; interpret runs
+    anywhere; anything else is refused."""
+    from dflash_jax.attention import AUTO_KERNELS, resolve_impl
+    gpu = jax.default_backend() == "gpu"
+    for op, on in AUTO_KERNELS.items():
+        assert resolve_impl("auto", op) == ("pallas" if gpu and on else "reference")
+        assert resolve_impl("interpret", op) == "interpret" and resolve_impl("reference", op) == "reference"
+    if not gpu:
+        with pytest.raises(ValueError, match="'pallas' needs a GPU"):
+            resolve_impl("pallas", "verify_attention")
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_impl("triton", "verify_attention")
