@@ -20,13 +20,16 @@ DRAFT = DraftConfig(model=dataclasses.replace(TARGET, num_layers=2, sliding_wind
                     block_size=8, mask_token_id=95, target_layer_ids=(0, 2), causal_layers=(True, False))
 
 
+def _models(target_config: ModelConfig, draft_config: DraftConfig, seed: int) -> tuple[Target, Draft]:
+    # Large random weights so that predictions vary with context (attention matters).
+    target = Target(target_config, jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x,
+                                                init_target_params(target_config, jax.random.key(seed), jnp.float32)))
+    return target, Draft(draft_config, init_draft_params(draft_config, jax.random.key(seed + 1), jnp.float32))
+
+
 @pytest.fixture(scope="module")
 def models():
-    # Large random weights so that predictions vary with context (attention matters).
-    target = Target(TARGET, jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x,
-                                         init_target_params(TARGET, jax.random.key(0), jnp.float32)))
-    draft = Draft(DRAFT, init_draft_params(DRAFT, jax.random.key(1), jnp.float32))
-    return target, draft
+    return _models(TARGET, DRAFT, 0)
 
 
 def test_kernels_match_reference_end_to_end(models):
@@ -53,11 +56,9 @@ def test_kernel_shape_limits_raise_before_compiling(models):
 
 def test_gqa_group_that_is_not_a_power_of_two():
     """Qwen3-14B has 40 query heads over 8 KV heads: the kernels pad the group of 5 to 8."""
-    target_config = dataclasses.replace(TARGET, num_heads=6, num_kv_heads=2)
-    draft_config = dataclasses.replace(DRAFT, model=dataclasses.replace(DRAFT.model, num_heads=6, num_kv_heads=2))
-    target = Target(target_config, jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x,
-                                                init_target_params(target_config, jax.random.key(2), jnp.float32)))
-    draft = Draft(draft_config, init_draft_params(draft_config, jax.random.key(3), jnp.float32))
+    target, draft = _models(dataclasses.replace(TARGET, num_heads=6, num_kv_heads=2),
+                            dataclasses.replace(DRAFT, model=dataclasses.replace(DRAFT.model, num_heads=6,
+                                                                                 num_kv_heads=2)), 2)
     prompts, kwargs = [[3, 1, 4, 1, 5], list(range(20, 41))], dict(max_new_tokens=12, stop_token_ids=None)
     plain = generate(target, prompts, impl="reference", **kwargs)
     spec_kernels = generate(target, prompts, draft=draft, impl="interpret", **kwargs)
