@@ -24,6 +24,7 @@ The JSON is rewritten after every measurement, so a late failure keeps the earli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CEILING_SIZES, SHAPES, acceptance_rates, auto_kernel_overrides, check_block_sizes,  # noqa: E402
+from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, check_block_sizes,  # noqa: E402
                     check_positions, measure_ceilings, median_seconds, names_from, output_dir,
                     override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
                     require_gpu, run_record, write_json)
@@ -150,13 +151,18 @@ class Chunk:
     accept_lengths: np.ndarray
 
 
-def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None) -> Chunk:
+def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None,
+               trace_dir: Path | None = None) -> Chunk:
     """Prefill the prepared prompts afresh (untimed; ``seed`` keys the replay's accept draws),
-    then time one chunk."""
+    then time one chunk (under the JAX profiler, writing a Perfetto trace into ``trace_dir``,
+    when given)."""
     state = jax.block_until_ready(prep.prefill(seed))
-    start = time.perf_counter()
-    state = jax.block_until_ready(prep.chunk(state, alpha))
-    seconds = time.perf_counter() - start
+    traced = contextlib.nullcontext() if trace_dir is None else jax.profiler.trace(
+        str(trace_dir), create_perfetto_trace=True)
+    with traced:
+        start = time.perf_counter()
+        state = jax.block_until_ready(prep.chunk(state, alpha))
+        seconds = time.perf_counter() - start
     steps, taken, accepted = jax.device_get((state.iteration, state.steps, state.accept_lengths))
     if not (taken == steps).all():
         raise RuntimeError(f"a sequence finished inside a timed chunk ({taken.tolist()} of {steps} steps)")
@@ -332,8 +338,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser.add_argument("--steps-per-check", type=positive_int, default=None,
                         help="decode steps between the loop's stop checks (must divide --steps; default: "
                         "decode.default_steps_per_check, what users get)")
-    parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",
-                        help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
+    add_auto_kernels_option(parser)
     args = parser.parse_args(argv)
     check_block_sizes(parser, "--blocks", args.blocks, args.shape)
     draft_block = SHAPES[args.shape][1].block_size

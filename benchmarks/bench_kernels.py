@@ -42,7 +42,8 @@ import numpy as np
 import pallas_kernels as pk
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, output_dir, positive_ints, run_record, write_json  # noqa: E402
+from common import (CEILING_SIZES, copy_bandwidth, median_seconds, output_dir, positive_ints,  # noqa: E402
+                    run_record, write_json)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, BLOCK = 32, 8, 128, 16, 16
 MAX_CTX = 32768
@@ -52,16 +53,6 @@ DTYPE = jnp.bfloat16
 KERNELS = ("verify", "decode", "draft", "jax_paged")
 DENSE = ("cudnn", "xla")
 TARGET_SECONDS = 4e-3  # device time per timed jit call
-
-
-def median_time(fn, args, repeats: int = 7) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 UNROLL = 8
@@ -85,7 +76,8 @@ def chain(fn, static: tuple = ()):
 def time_per_call(fn, static: dict, x, rest, nbytes: float) -> tuple[float, int]:
     reps = int(min(16, max(1, math.ceil(TARGET_SECONDS / (nbytes / 2.5e12 + 3e-6) / UNROLL))))
     run = chain(fn, tuple(sorted(static.items())))
-    return median_time(run, (x, jnp.int32(reps), *rest)) / (reps * UNROLL), reps * UNROLL
+    args = (x, jnp.int32(reps), *rest)
+    return median_seconds(lambda: jax.block_until_ready(run(*args)), 7) / (reps * UNROLL), reps * UNROLL
 
 
 class Cache:
@@ -324,7 +316,7 @@ def main():
         print(json.dumps(row), flush=True)
         write_json(path, results)
 
-    results["copy"] = copy_bandwidth()
+    results["copy"] = copy_bandwidth(CEILING_SIZES["qwen3-8b"][0])
     log(results["copy"])
     for batch in args.batches:
         cache = Cache(batch)

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
-                    output_dir, positive_ints, run_record, write_json)
+                    output_dir, positive_ints, require_gpu, run_record, write_json)
 
 from dflash_jax.config import ModelConfig  # noqa: E402
-from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference  # noqa: E402
+from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference, matmul_blocks  # noqa: E402
 from pallas_kernels.norm_rope import rms_norm  # noqa: E402
 
 DTYPE = jnp.bfloat16
@@ -84,8 +84,32 @@ def tunings(text: str) -> list[dict]:
             raise argparse.ArgumentTypeError(f"{item!r} is not valid JSON ({error})") from None
         if not isinstance(tuning, dict) or not set(tuning) <= set(TUNING_ARGS):
             raise argparse.ArgumentTypeError(f"{item!r}: expected an object of {', '.join(TUNING_ARGS)}")
+        bad = {name: value for name, value in tuning.items() if isinstance(value, bool) or not isinstance(value, int)}
+        if bad:
+            raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers, got {bad}")
         result.append(tuning)
     return result
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+    """(K, output columns N, gated) of each fused projection."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv": (h, q + 2 * kv, False), "o": (q, h, False), "gate_up": (h, i, True), "down": (i, h, False)}
+
+
+def check_tunings(parser: argparse.ArgumentParser, args: argparse.Namespace, config: ModelConfig) -> None:
+    """Run the kernel's tiling rule on every (pass, tuning, rows, projection) the run will time,
+    so a tuning it refuses stops the run before anything is timed, not after the passes before it."""
+    for mode in args.passes:
+        for name in [p for p in PROJECTIONS if p in kernel_projections(mode)]:
+            k, n, gated = projection_shapes(config)[name]
+            for tuning in args.tunings:
+                for m in args.rows:
+                    try:
+                        matmul_blocks(m, k, n, jnp.dtype(DTYPE).itemsize, gated=gated, **tuning)
+                    except ValueError as error:
+                        parser.error(f"--tunings {json.dumps(tuning)} at {name}, M={m}: {error}")
 
 
 def layers_pass(mode: str, tuning: dict, config: ModelConfig):
@@ -145,8 +169,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--tunings", type=tunings, default="{}", help="';'-separated JSON keyword sets for the kernel "
                         "passes (e.g. '{};{\"block_k\": 64}'), each timed")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     config = SHAPES[args.shape][0]
+    check_tunings(parser, args, config)
+    require_gpu(args.shape)
+    args.out.mkdir(parents=True, exist_ok=True)
     copies = copy_bandwidth(CEILING_SIZES[args.shape][0])
     bw = copy_ceiling_bytes_per_s(copies)
     report = run_record(args)

@@ -143,6 +143,12 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(partial, path)
 
 
+def add_auto_kernels_option(parser: argparse.ArgumentParser) -> None:
+    """``--auto-kernels OP=on|off,...``: what impl="auto" runs as a kernel, for A/B runs."""
+    parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",
+                        help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
+
+
 def override_auto_kernels(overrides: dict[str, bool]) -> dict:
     """Apply ``auto_kernel_overrides`` to ``attention.AUTO_KERNELS`` for this process (A/B runs);
     returns the table in force."""

@@ -205,9 +205,17 @@ def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "decode,dflsh"], "unknown dflsh"), (["--modes", ""], "no empty items"),
     (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be an integer >= 1"),
+    (["--sequence", "-3"], "must be an integer >= 0"),
 ])
 def test_profile_step_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert message in parse_error(capsys, profile_step.parse_args, ["--shape", "tiny", *argv])
+
+
+def test_profile_step_runs_the_tiny_shape_on_cpu(tmp_path):
+    profile_step.main(["--shape", "tiny", "--steps", "2", "--top", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "profile.json").read_text())
+    for mode in profile_step.MODES:
+        assert report[mode]["traced_wall_ms_per_step"] > 0 and len(list(tmp_path.glob(f"trace_{mode}_*"))) == 1
 
 
 def test_profile_step_refuses_a_trace_folder_with_more_than_one_trace(tmp_path):
@@ -224,6 +232,9 @@ def test_profile_step_refuses_a_trace_folder_with_more_than_one_trace(tmp_path):
     (["--tunings", "{};{"], "is not valid JSON"),
     (["--tunings", '{"block_kk": 64}'], "expected an object of"),
     (["--rows", "1,0"], "must be an integer >= 1"),
+    (["--tunings", '{"block_k": "x"}'], "tuning values must be integers"),
+    (["--tunings", '{};{"block_k": 48}'], "at qkv, M=1: block_k must be a power of two, got 48"),
+    (["--passes", "kernel:down", "--tunings", '{"num_warps": 3}'], "at down, M=1: num_warps must be a power of two"),
 ])
 def test_bench_matmul_rejects_bad_settings_before_any_device_work(capsys, argv, message):
     assert message in parse_error(capsys, bench_matmul.main, ["--shape", "tiny", *argv])
@@ -268,7 +279,7 @@ def test_the_reference_shortens_verify_blocks_only_at_the_end():
     assert full >= 1 and all(n < 16 for n in block_lens[full:]) and seconds > 0
 
 
-@pytest.mark.parametrize("script", [bench_e2e, profile_step, ab_kernels])
+@pytest.mark.parametrize("script", [bench_e2e, profile_step, ab_kernels, bench_matmul])
 def test_real_shape_runs_refuse_a_cpu_in_one_line(script, capsys, tmp_path):
     argv = ["--out", str(tmp_path)] + (["--op", "write_kv"] if script is ab_kernels else [])
     with pytest.raises(SystemExit) as exit_:
