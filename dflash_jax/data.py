@@ -241,7 +241,7 @@ def concat_rows(parts: Sequence[TokenRows]) -> TokenRows:
 
 
 # ---------------------------------------------------------------------------------------------
-# Anchors and blocks (DFlash training, DESIGN.md section 7).
+# Anchors and blocks (DFlash training; the recipe is in train_draft's module docstring).
 
 def anchor_positions(loss_mask):
     """Where an anchor may open a block [R, T-1]: positions t where tokens t and t+1 are both

@@ -1,4 +1,4 @@
-"""Train a DFlash draft for a frozen target (DESIGN.md section 7) and export it in z-lab format.
+"""Train a DFlash draft for a frozen target and export it in z-lab format.
 
     python -m dflash_jax.train_draft --target DIR --out DIR [--data FILES|GLOBS|stdlib]
         [--regenerate N [--prompts FILE [--chat]]] [--num-layers K] [--block-size 16] [--steps 1000] [--batch 1]
@@ -62,7 +62,7 @@ class DraftTrainConfig:
     39 GiB for 8 rows with one layer (XLA's buffer assignment, compiled on CPU), beside the frozen target and the f32 params and
     AdamW moments; hence one row per step by default (SpecForge's default too). The optimizer
     (``OptimConfig``: b2 0.95, weight decay 0.01 on matrices) is the usual LLM AdamW, not
-    SpecForge's (torch defaults: b2 0.999, no decay); DESIGN leaves it open."""
+    SpecForge's (torch defaults: b2 0.999, no decay); the DFlash recipe leaves it open."""
 
     optim: OptimConfig = OptimConfig(steps=1000, lr=6e-4)
     num_anchors: int = 512
