@@ -251,8 +251,9 @@ def _reference_block(hf_target, hf_draft, context, block_tokens):
 
 
 def _check_draft_internals(hf_target, hf_draft, target, draft, context_lens=(7, 12, 9), short_block=5,
-                           page_size=4):
-    """Ragged contexts in one batch, pages permuted and NaN-poisoned, vs the reference per row.
+                           page_size=4, impl="reference"):
+    """Ragged contexts in one batch, pages permuted and NaN-poisoned, vs the reference per row
+    (``impl``: ours through the plain references or the kernels in interpret mode).
 
     The last row's block is cut to ``short_block`` tokens (as near max_new_tokens): the reference
     runs that shorter block, we run the full one with block_lens masking the rest."""
@@ -275,11 +276,11 @@ def _check_draft_internals(hf_target, hf_draft, target, draft, context_lens=(7, 
     cache = init_cache([(target.config, target.config.num_layers), (config.model, config.model.num_layers)],
                        table, num_pages, page_size, jnp.float32, fill=float("nan"))
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (len(contexts), width))
-    cache = draft_model.write_context(params, config, jnp.asarray(taps), positions, cache, impl="reference")
+    cache = draft_model.write_context(params, config, jnp.asarray(taps), positions, cache, impl=impl)
     cache = cache.replace(lengths=jnp.asarray(context_lens, jnp.int32))
     blocks = jnp.asarray([[ctx[-1]] + [config.mask_token_id] * (block - 1) for ctx in contexts], jnp.int32)
     hidden = draft_model.block_hidden(params, config, target.params, blocks, cache,
-                                      jnp.asarray(block_lens, jnp.int32), impl="reference")
+                                      jnp.asarray(block_lens, jnp.int32), impl=impl)
     logits = np.asarray(draft_model.draft_logits(params, config, target.params, hidden[:, 1:]))
     hidden = np.asarray(hidden)
     for b, (ref, n, length) in enumerate(zip(refs, context_lens, block_lens)):
@@ -293,6 +294,31 @@ def _check_draft_internals(hf_target, hf_draft, target, draft, context_lens=(7, 
 
 def test_draft_internals_match_reference(random_pair):
     _check_draft_internals(random_pair.hf_target, random_pair.hf_draft, random_pair.target, random_pair.draft)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas kernels forced on (interpret mode) against the same references
+
+
+def test_kernels_lossless_and_reference_parity(spec_pair, baseline):
+    """Long accepted runs (steps that commit many tokens) through every kernel: tokens equal the
+    target's greedy output and dflash_generate's, acceptance lengths equal dflash_generate's."""
+    prompts, expected = baseline
+    out = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl="interpret")
+    assert out.tokens == expected
+    for b, prompt in enumerate(prompts):
+        ref_tokens, ref_accept = reference(spec_pair.hf_draft, spec_pair.hf_target, prompt, MAX_NEW)
+        assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept, f"sequence {b}"
+    assert np.mean([n for seq in out.stats.accept_lengths for n in seq]) > 2.0
+
+
+def test_kernels_draft_internals_match_reference(random_pair, spec_pair, sliding_draft):
+    """The draft's context writes, q/k/v and attention kernels (a sliding-window causal layer
+    included) against the reference module's features, hidden states and logits."""
+    _check_draft_internals(random_pair.hf_target, random_pair.hf_draft, random_pair.target, random_pair.draft,
+                           impl="interpret")
+    hf_draft, draft = sliding_draft
+    _check_draft_internals(spec_pair.hf_target, hf_draft, spec_pair.target, draft, impl="interpret")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ VERIFY_CASES = [
 ] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16}),
      ("bf16", 4, 128, 16, None, 16, {"pages_per_block": 4, "num_stages": 3, "num_splits": 1}),
      # groups that are not a power of two (Qwen3-14B: 40 heads over 8) ride padded to one
-     ("bf16", 5, 128, 16, None, 16, {}), ("f32", 3, 64, 32, 20, 37, {"num_splits": 3})]
+     ("bf16", 5, 128, 16, None, 16, {}), ("f32", 5, 64, 16, None, 16, {}),
+     ("f32", 3, 64, 32, 20, 37, {"num_splits": 3})]
 
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -136,7 +137,11 @@ DRAFT_GRID = _grid(("f32", "bf16"), (1, 4, 8), (False, True), (None, 12))
 DRAFT_SHAPES = ((64, 16, 16), (128, 32, 8), (128, 16, 16), (64, 32, 4))
 DRAFT_CASES = [(*c, *DRAFT_SHAPES[(i + i // 2) % 4], TUNINGS[(i + i // 4) % 4])
                for i, c in enumerate(DRAFT_GRID)] + [
-    ("bf16", 5, False, None, 128, 16, 16, {}), ("f32", 3, True, 12, 64, 32, 8, {"num_splits": 2})]
+    ("bf16", 5, False, None, 128, 16, 16, {}), ("f32", 3, True, 12, 64, 32, 8, {"num_splits": 2}),
+    # a two-sided window narrower than the block (the grid's windows all exceed its blocks there),
+    # and no window on page size 32, non-causal
+    ("f32", 4, False, 6, 64, 16, 16, {}), ("bf16", 4, False, 5, 128, 32, 16, {"num_splits": 2}),
+    ("f32", 8, False, None, 128, 32, 16, {})]
 
 
 @pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -283,10 +288,12 @@ def test_qkv_norm_rope_write(case, interpret, check):
     pages_per_seq = -(-(max(lens) + q_len) // page_size) + 1
     k_pages, v_pages, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
                                          kv_heads=kw["num_kv_heads"], head_dim=head_dim, dtype=dtype,
-                                         spare=pages_per_seq)
+                                         spare=2 * pages_per_seq)
     table = np.array(table)
     for b, n in enumerate(lens):  # pages for the new tokens, from the free (NaN) ones
-        need = -(-(n + q_len) // page_size)
+        # sequence 0's whole row holds real pages, so a write past its table could only be
+        # dropped by the kernel's bound, not land on an out-of-range id by luck
+        need = pages_per_seq if b == 0 else -(-(n + q_len) // page_size)
         free = sorted(set(range(k_pages.shape[0])) - set(table.ravel()))
         for p in range(-(-n // page_size), need):
             table[b, p] = free.pop(rng.integers(len(free)))
@@ -396,6 +403,12 @@ LOWERINGS = {
     "draft": (pk.paged_draft_attention, _draft_shapes(), {}),
     "draft_causal_window": (pk.paged_draft_attention, _draft_shapes(batch=32),
                             {"causal": True, "sliding_window": 32}),
+    "draft_f32_two_sided_window": (pk.paged_draft_attention, _draft_shapes(dtype=jnp.float32),
+                                   {"sliding_window": 8}),
+    "verify_f16_head_dim_64_page_32": (pk.paged_verify_attention,
+                                       _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
+    "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
+                     {"pages_per_block": 1, "block_t": 16, "num_splits": 2}),
     "norm_rope_write": (pk.norm_rope_write, _write_shapes(), {"eps": 1e-6, "theta": 1e6}),
     "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
                             (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
