@@ -1,5 +1,6 @@
-"""Tiny random HF checkpoints for the parity tests: Qwen3 targets (transformers), DFlash drafts
-in z-lab format (``dflash.model.DFlashDraftModel``) and in speculators format.
+"""Tiny random HF checkpoints for the tests: Qwen3 targets (transformers), DFlash drafts in z-lab
+format (``dflash.model.DFlashDraftModel``) and in speculators format, as models for the parity
+tests and as whole saved folders (``*_folder``) for the conversion and checkpoint-error tests.
 
 Weights are drawn with numpy from a seed (not with transformers' initializers), so a test's
 models do not change when transformers changes its init. Norm weights are 1 + noise so that
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 
 
@@ -59,7 +61,8 @@ def make_target(*, seed: int = 0, std: float = 0.02, embed_std: float = 1.0, **c
     return fill_random(model, seed, std=std, embed_std=embed_std)
 
 
-def _edit_config(path: Path, edit) -> None:
+def edit_config(path: Path, edit) -> None:
+    """Rewrite a model folder's config.json through ``edit(raw)``."""
     file = Path(path) / "config.json"
     raw = json.loads(file.read_text())
     edit(raw)
@@ -83,7 +86,7 @@ def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: b
         if eos_token_id is not None:
             raw["eos_token_id"] = eos_token_id
 
-    _edit_config(path, edit)
+    edit_config(path, edit)
     return path
 
 
@@ -260,3 +263,78 @@ def make_copy_draft(target, *, period: int = 6, seed: int = 100, noise: float = 
         _copy_head(draft.layers[0].self_attn, hidden=hidden, head_dim=draft.config.head_dim,
                    theta=draft.config.rope_parameters["rope_theta"], offset=period, code_dims=CODE_DIMS, gain=gain)
     return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole HF folders for the conversion and checkpoint-error tests (stand-in tokenizer files).
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def qwen3_fields(**overrides) -> dict:
+    """A tiny Qwen3 config (hidden 32, 2 layers, GQA 4:2)."""
+    fields = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+    return {**fields, **overrides}
+
+
+def target_folder(directory: Path, *, dtype: str = "float32", seed: int = 0, max_shard_size=None,
+                  **config) -> torch.nn.Module:
+    """Save a random transformers Qwen3ForCausalLM (plus stand-in tokenizer files) and return it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(**qwen3_fields(**config)))
+    model = fill_random(model, seed, std=0.5, embed_std=0.5, norm_jitter=0.5).to(TORCH_DTYPES[dtype])
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    (directory / "tokenizer.json").write_text('{"stand-in": true}')
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    return model
+
+
+def zlab_draft_folder(directory: Path, *, dtype: str = "float32", seed: int = 1, **config) -> torch.nn.Module:
+    """Save a random z-lab DFlashDraftModel (first layer sliding-window) and return it."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    fields = qwen3_fields(architectures=["DFlashDraftModel"], block_size=4, num_target_layers=4,
+                          dflash_config={"mask_token_id": 100, "target_layer_ids": [1, 2]},
+                          use_sliding_window=True, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], **config)
+    model = fill_random(DFlashDraftModel(Qwen3Config(**fields)), seed, std=0.5, embed_std=0.5, norm_jitter=0.5)
+    model = model.to(TORCH_DTYPES[dtype])
+    model.save_pretrained(directory)
+    return model
+
+
+def speculators_draft_folder(directory: Path, *, draft_vocab: int | None = 64, seed: int = 2) -> dict:
+    """Write a speculators-format DFlash draft by hand; returns its tensors."""
+    directory.mkdir(parents=True, exist_ok=True)
+    layer = qwen3_fields(model_type="qwen3")
+    v, h = layer["vocab_size"], layer["hidden_size"]
+    raw = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+           "transformer_layer_config": layer, "block_size": 4, "mask_token_id": 100,
+           "aux_hidden_state_layer_ids": [2, 3], "draft_vocab_size": draft_vocab or v}
+    (directory / "config.json").write_text(json.dumps(raw))
+    generator = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(shape, generator=generator)  # noqa: E731
+    d, i, kv = layer["head_dim"], layer["intermediate_size"], layer["num_key_value_heads"] * layer["head_dim"]
+    q = layer["num_attention_heads"] * d
+    tensors = {"fc.weight": rand(h, 2 * h), "hidden_norm.weight": rand(h), "norm.weight": rand(h),
+               "embed_tokens.weight": rand(v, h), "lm_head.weight": rand(draft_vocab or v, h)}
+    for n in range(layer["num_hidden_layers"]):
+        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                  "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                  "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                  "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        tensors.update({f"layers.{n}.{name}": rand(*shape) for name, shape in shapes.items()})
+    if draft_vocab:
+        targets = torch.sort(torch.randperm(v, generator=generator)[:draft_vocab]).values
+        tensors["d2t"] = targets - torch.arange(draft_vocab)   # target_id = i + d2t[i]
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[targets] = True
+        tensors["t2d"] = t2d
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return tensors

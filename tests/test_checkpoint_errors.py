@@ -15,7 +15,7 @@ from dflash_jax import checkpoint
 from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError
 from dflash_jax.models import load_draft, load_target
-from test_convert import make_speculators_draft, make_target, make_zlab_draft
+from builders import edit_config, speculators_draft_folder, target_folder, zlab_draft_folder
 
 
 def _edit_tensors(directory: Path, edit) -> None:
@@ -25,12 +25,6 @@ def _edit_tensors(directory: Path, edit) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _edit_config(directory: Path, edit) -> None:
-    raw = json.loads((directory / "config.json").read_text())
-    edit(raw)
-    (directory / "config.json").write_text(json.dumps(raw))
-
-
 def _only(directory: Path) -> list[str]:
     """What a directory holds (to check that nothing, not even a temp dir, was left)."""
     return sorted(p.name for p in directory.iterdir())
@@ -38,7 +32,7 @@ def _only(directory: Path) -> list[str]:
 
 @pytest.fixture
 def target(tmp_path) -> Path:
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     return tmp_path / "hf"
 
 
@@ -65,33 +59,33 @@ def test_wrong_shape(target):
 
 
 def test_config_claims_more_layers_than_the_weights(target):
-    _edit_config(target, lambda raw: raw.update(num_hidden_layers=3, layer_types=["full_attention"] * 3))
+    edit_config(target, lambda raw: raw.update(num_hidden_layers=3, layer_types=["full_attention"] * 3))
     _convert_fails(target, CheckpointError, r"missing 11 tensor\(s\): 'model.layers.2.input_layernorm.weight'")
 
 
 def test_config_hidden_size_disagrees_with_weights(target):
-    _edit_config(target, lambda raw: raw.update(hidden_size=48))
+    edit_config(target, lambda raw: raw.update(hidden_size=48))
     _convert_fails(target, CheckpointError, r"tensor '[\w.]+' has shape \[\d+(, \d+)?\], config expects")
 
 
 def test_unknown_model_type(target):
-    _edit_config(target, lambda raw: raw.update(model_type="llama"))
+    edit_config(target, lambda raw: raw.update(model_type="llama"))
     _convert_fails(target, ConfigError, "model_type 'llama' is not supported")
 
 
 def test_missing_config_field(target):
-    _edit_config(target, lambda raw: raw.pop("intermediate_size"))
+    edit_config(target, lambda raw: raw.pop("intermediate_size"))
     _convert_fails(target, ConfigError, "required field 'intermediate_size' is missing")
 
 
 def test_missing_draft_field(tmp_path):
-    make_zlab_draft(tmp_path / "draft")
-    _edit_config(tmp_path / "draft", lambda raw: raw["dflash_config"].pop("mask_token_id"))
+    zlab_draft_folder(tmp_path / "draft")
+    edit_config(tmp_path / "draft", lambda raw: raw["dflash_config"].pop("mask_token_id"))
     _convert_fails(tmp_path / "draft", ConfigError, "'dflash_config.mask_token_id' is missing")
 
 
 def test_speculators_draft_missing_d2t(tmp_path):
-    make_speculators_draft(tmp_path / "draft")
+    speculators_draft_folder(tmp_path / "draft")
     _edit_tensors(tmp_path / "draft", lambda t: t.pop("d2t"))
     _convert_fails(tmp_path / "draft", CheckpointError, r"missing 1 tensor\(s\): 'd2t'")
 
@@ -102,9 +96,9 @@ def test_speculators_full_vocabulary_copies(tmp_path):
     any other d2t refused."""
     import warnings
 
-    make_target(tmp_path / "hf", num_hidden_layers=4)
+    target_folder(tmp_path / "hf", num_hidden_layers=4)
     target = load_target(tmp_path / "hf", dtype="float32")
-    make_speculators_draft(tmp_path / "draft", draft_vocab=None)  # random copies: they differ
+    speculators_draft_folder(tmp_path / "draft", draft_vocab=None)  # random copies: they differ
     with pytest.warns(UserWarning) as caught:
         load_draft(tmp_path / "draft", target, dtype="float32")
     assert sorted(str(w.message).split("own ")[1].split(" ")[0] for w in caught) == [
@@ -132,7 +126,7 @@ def test_integer_weight_and_float_id_map_are_refused(target, tmp_path):
     _edit_tensors(target, lambda t: t.update({"model.norm.weight": np.ones(32, np.int8)}))
     _convert_fails(target, CheckpointError, "'model.norm.weight' has dtype int8, expected a float dtype")
     tmp_path = tmp_path / "spec"
-    make_speculators_draft(tmp_path / "draft", draft_vocab=64)
+    speculators_draft_folder(tmp_path / "draft", draft_vocab=64)
     _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=t["d2t"].astype(np.float32)))
     _convert_fails(tmp_path / "draft", CheckpointError, "'d2t' has dtype float32, expected an integer dtype")
 
@@ -145,7 +139,7 @@ def test_float16_overflow_is_refused(target):
 
 
 def test_index_with_a_non_string_shard_name(tmp_path):
-    make_target(tmp_path / "hf", max_shard_size="20KB")
+    target_folder(tmp_path / "hf", max_shard_size="20KB")
     index = tmp_path / "hf" / "model.safetensors.index.json"
     raw = json.loads(index.read_text())
     raw["weight_map"]["model.norm.weight"] = 3
@@ -154,14 +148,14 @@ def test_index_with_a_non_string_shard_name(tmp_path):
 
 
 def test_missing_shard(tmp_path):
-    make_target(tmp_path / "hf", max_shard_size="20KB")
+    target_folder(tmp_path / "hf", max_shard_size="20KB")
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
     shard.unlink()
     _convert_fails(tmp_path / "hf", CheckpointError, f"missing: \\['{shard.name}'\\]")
 
 
 def test_truncated_shard(tmp_path):
-    make_target(tmp_path / "hf", max_shard_size="20KB")
+    target_folder(tmp_path / "hf", max_shard_size="20KB")
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:100])
     _convert_fails(tmp_path / "hf", CheckpointError, f"{shard.name}: not a readable safetensors file")
@@ -171,7 +165,7 @@ def test_truncated_shard(tmp_path):
 
 @pytest.mark.parametrize("index", ['{"metadata": {}}', "not json"], ids=["no-weight-map", "not-json"])
 def test_broken_shard_index(tmp_path, index):
-    make_target(tmp_path / "hf", max_shard_size="20KB")
+    target_folder(tmp_path / "hf", max_shard_size="20KB")
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(index)
     message = "has no 'weight_map' object" if "metadata" in index else "is not valid JSON"
     _convert_fails(tmp_path / "hf", ValueError, f"model.safetensors.index.json {message}")
@@ -191,14 +185,14 @@ def test_tensor_numpy_cannot_hold(target):
 
 
 def test_quantized_checkpoint_is_refused(target):
-    _edit_config(target, lambda raw: raw.update(quantization_config={"quant_method": "fp8"}))
+    edit_config(target, lambda raw: raw.update(quantization_config={"quant_method": "fp8"}))
     _convert_fails(target, ConfigError, r"quantized checkpoints .* 'fp8'\) are not supported")
 
 
 def test_tied_checkpoint_with_a_different_stored_head_warns(tmp_path):
     import warnings
 
-    make_target(tmp_path / "hf", tie_word_embeddings=True)
+    target_folder(tmp_path / "hf", tie_word_embeddings=True)
     embed = "model.embed_tokens.weight"
     _edit_tensors(tmp_path / "hf", lambda t: t.update({"lm_head.weight": t[embed].copy()}))
     with warnings.catch_warnings():
@@ -336,11 +330,11 @@ def test_failed_overwrite_keeps_the_old_output(target, monkeypatch):
 
 
 def test_converted_folder_of_the_wrong_kind(tmp_path):
-    make_zlab_draft(tmp_path / "draft")
+    zlab_draft_folder(tmp_path / "draft")
     convert(tmp_path / "draft", tmp_path / "out", progress=False)
     with pytest.raises(ConfigError, match="holds a DFlash draft, not a target"):
         load_target(tmp_path / "out")
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "target", progress=False)
     with pytest.raises(ConfigError, match="holds a Qwen3 target, not a DFlash draft"):
         load_draft(tmp_path / "target")
@@ -365,11 +359,11 @@ def test_marker_that_is_not_json(target):
 def test_converted_config_edited_after_conversion(target):
     out = target.parent / "out"
     convert(target, out, progress=False)
-    _edit_config(out, lambda raw: raw.update(tie_word_embeddings=True))
+    edit_config(out, lambda raw: raw.update(tie_word_embeddings=True))
     with pytest.raises(CheckpointError, match="params leaf 'lm_head' is \\[32, 128\\] in the checkpoint, "
                                               "config.json expects absent"):
         load_target(out)
-    _edit_config(out, lambda raw: raw.update(tie_word_embeddings=False, intermediate_size=96))
+    edit_config(out, lambda raw: raw.update(tie_word_embeddings=False, intermediate_size=96))
     with pytest.raises(CheckpointError, match="params leaf 'layers.0.down_proj' is \\[64, 32\\]"):
         load_target(out)
 
@@ -383,7 +377,7 @@ def test_converted_folder_of_a_newer_format(target):
 
 
 def test_export_checks_params_against_config(tmp_path):
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     target = load_target(tmp_path / "hf", dtype="float32")
     layers = list(target.params.layers)
     layers[1] = layers[1].replace(qkv_proj=layers[1].qkv_proj[:, :-8])
@@ -398,15 +392,15 @@ def test_export_checks_params_against_config(tmp_path):
 
 
 def test_export_draft_refuses_what_zlab_format_cannot_hold(tmp_path):
-    make_speculators_draft(tmp_path / "spec")
+    speculators_draft_folder(tmp_path / "spec")
     draft = load_draft(tmp_path / "spec", dtype="float32")
     with pytest.raises(ValueError, match="reduced draft vocabulary"):
         export_draft(draft.config, draft.params, tmp_path / "out")
-    make_speculators_draft(tmp_path / "full", draft_vocab=None)
+    speculators_draft_folder(tmp_path / "full", draft_vocab=None)
     draft = load_draft(tmp_path / "full", dtype="float32")
     with pytest.raises(ValueError, match="num_target_layers is unknown"):
         export_draft(draft.config, draft.params, tmp_path / "out")
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     target = load_target(tmp_path / "hf", dtype="float32")
     export_target(target.config, target.params, tmp_path / "out")
     with pytest.raises(FileExistsError):

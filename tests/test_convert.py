@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import checkpoints_convert
+from builders import speculators_draft_folder, target_folder, zlab_draft_folder
 from checkpoints_convert import convert, export_draft, export_target
 from checkpoints_convert.convert import SIDE_FILES
 from dflash_jax import checkpoint
@@ -25,83 +25,6 @@ from dflash_jax.models import load_draft, load_target
 from dflash_jax.params import cast_params
 
 REPO = Path(__file__).resolve().parents[1]
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def qwen3_fields(**overrides) -> dict:
-    """A tiny Qwen3 config (hidden 32, 2 layers, GQA 4:2)."""
-    fields = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
-    return {**fields, **overrides}
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random values everywhere, norms included (they start at ones)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    return model
-
-
-def make_target(directory: Path, *, dtype: str = "float32", seed: int = 0, max_shard_size=None,
-                **config) -> torch.nn.Module:
-    """Save a random transformers Qwen3ForCausalLM (plus stand-in tokenizer files) and return it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    model = _randomize(Qwen3ForCausalLM(Qwen3Config(**qwen3_fields(**config))), seed).to(TORCH_DTYPES[dtype])
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(directory, **kwargs)
-    (directory / "tokenizer.json").write_text('{"stand-in": true}')
-    (directory / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
-    return model
-
-
-def make_zlab_draft(directory: Path, *, dtype: str = "float32", seed: int = 1, **config) -> torch.nn.Module:
-    """Save a random z-lab DFlashDraftModel (first layer sliding-window) and return it."""
-    from dflash.model import DFlashDraftModel
-    from transformers import Qwen3Config
-
-    fields = qwen3_fields(architectures=["DFlashDraftModel"], block_size=4, num_target_layers=4,
-                          dflash_config={"mask_token_id": 100, "target_layer_ids": [1, 2]},
-                          use_sliding_window=True, sliding_window=8,
-                          layer_types=["sliding_attention", "full_attention"], **config)
-    model = _randomize(DFlashDraftModel(Qwen3Config(**fields)), seed).to(TORCH_DTYPES[dtype])
-    model.save_pretrained(directory)
-    return model
-
-
-def make_speculators_draft(directory: Path, *, draft_vocab: int | None = 64, seed: int = 2) -> dict:
-    """Write a speculators-format DFlash draft by hand; returns its tensors."""
-    directory.mkdir(parents=True, exist_ok=True)
-    layer = qwen3_fields(model_type="qwen3")
-    v, h = layer["vocab_size"], layer["hidden_size"]
-    raw = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-           "transformer_layer_config": layer, "block_size": 4, "mask_token_id": 100,
-           "aux_hidden_state_layer_ids": [2, 3], "draft_vocab_size": draft_vocab or v}
-    (directory / "config.json").write_text(json.dumps(raw))
-    generator = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(shape, generator=generator)  # noqa: E731
-    d, i, kv = layer["head_dim"], layer["intermediate_size"], layer["num_key_value_heads"] * layer["head_dim"]
-    q = layer["num_attention_heads"] * d
-    tensors = {"fc.weight": rand(h, 2 * h), "hidden_norm.weight": rand(h), "norm.weight": rand(h),
-               "embed_tokens.weight": rand(v, h), "lm_head.weight": rand(draft_vocab or v, h)}
-    for n in range(layer["num_hidden_layers"]):
-        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                  "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-                  "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-                  "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
-        tensors.update({f"layers.{n}.{name}": rand(*shape) for name, shape in shapes.items()})
-    if draft_vocab:
-        targets = torch.sort(torch.randperm(v, generator=generator)[:draft_vocab]).values
-        tensors["d2t"] = targets - torch.arange(draft_vocab)   # target_id = i + d2t[i]
-        t2d = torch.zeros(v, dtype=torch.bool)
-        t2d[targets] = True
-        tensors["t2d"] = t2d
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return tensors
 
 
 def assert_same_tree(a, b):
@@ -127,7 +50,7 @@ def assert_same_state_dict(actual: dict, expected: dict):
 ])
 def test_target_round_trip_is_bit_exact(tmp_path, src_dtype, out_dtype, tied, shard):
     src, out = tmp_path / "hf", tmp_path / "converted"
-    make_target(src, dtype=src_dtype, tie_word_embeddings=tied, max_shard_size=shard)
+    target_folder(src, dtype=src_dtype, tie_word_embeddings=tied, max_shard_size=shard)
     if shard:
         assert (src / "model.safetensors.index.json").is_file()
     assert convert(src, out, dtype=out_dtype, progress=False) == out
@@ -145,7 +68,7 @@ def test_target_round_trip_is_bit_exact(tmp_path, src_dtype, out_dtype, tied, sh
 
 def test_converted_folder_loads_in_another_dtype(tmp_path, capsys):
     src, out = tmp_path / "hf", tmp_path / "converted"
-    make_target(src)
+    target_folder(src)
     convert(src, out, dtype="float32", progress=False)
     assert_same_tree(load_target(out, dtype="bfloat16", progress=True).params,
                      load_target(src, dtype="bfloat16").params)
@@ -170,7 +93,7 @@ def test_save_params_with_an_orbax_that_always_copies(tmp_path, monkeypatch):
 
 def test_zlab_draft_round_trip(tmp_path):
     src, out = tmp_path / "draft", tmp_path / "converted"
-    make_zlab_draft(src)
+    zlab_draft_folder(src)
     convert(src, out, dtype="float32", progress=False)
     direct, converted = load_draft(src, dtype="float32"), load_draft(out, dtype="float32")
     assert converted.config == direct.config and direct.config.model.sliding_window == 8
@@ -181,7 +104,7 @@ def test_zlab_draft_round_trip(tmp_path):
 @pytest.mark.parametrize("draft_vocab", [64, None])
 def test_speculators_draft_round_trip(tmp_path, draft_vocab):
     src, out = tmp_path / "draft", tmp_path / "converted"
-    tensors = make_speculators_draft(src, draft_vocab=draft_vocab)
+    tensors = speculators_draft_folder(src, draft_vocab=draft_vocab)
     if draft_vocab:
         convert(src, out, dtype="float32", progress=False)
     else:  # its own embedding and head copies are dropped, and it says so
@@ -208,7 +131,7 @@ def test_speculators_draft_round_trip(tmp_path, draft_vocab):
 def test_export_draft_loads_in_reference_with_identical_weights(tmp_path):
     from dflash.model import DFlashDraftModel
 
-    original = make_zlab_draft(tmp_path / "draft")
+    original = zlab_draft_folder(tmp_path / "draft")
     draft = load_draft(tmp_path / "draft", dtype="float32")
     out = export_draft(draft.config, draft.params, tmp_path / "exported", max_shard_mb=1)
     reloaded = DFlashDraftModel.from_pretrained(out)
@@ -221,7 +144,7 @@ def test_export_draft_loads_in_reference_with_identical_weights(tmp_path):
 
 
 def test_export_draft_casts_and_reads_back(tmp_path):
-    make_zlab_draft(tmp_path / "draft")
+    zlab_draft_folder(tmp_path / "draft")
     draft = load_draft(tmp_path / "draft", dtype="bfloat16")
     out = export_draft(draft.config, draft.params, tmp_path / "exported", dtype="float32")
     written = json.loads((out / "config.json").read_text())
@@ -235,7 +158,7 @@ def test_export_target_loads_in_transformers_with_identical_weights(tmp_path, ti
     from transformers import Qwen3ForCausalLM
 
     # 768 kB embedding (3000 x 64 f32) + 2 x 400 kB of MLP: max_shard_mb=1 must shard.
-    original = make_target(tmp_path / "hf", tie_word_embeddings=tied, vocab_size=3000, hidden_size=64,
+    original = target_folder(tmp_path / "hf", tie_word_embeddings=tied, vocab_size=3000, hidden_size=64,
                            intermediate_size=512, eos_token_id=[5, 7])
     target = load_target(tmp_path / "hf", dtype="float32")
     out = export_target(target.config, target.params, tmp_path / "exported", max_shard_mb=1)
@@ -251,7 +174,7 @@ def test_export_target_loads_in_transformers_with_identical_weights(tmp_path, ti
 
 
 def test_export_target_side_files_in_place_and_refusals(tmp_path):
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages }}")
     (tmp_path / "hf" / "README.md").write_text("not a side file")
     target = load_target(tmp_path / "hf", dtype="float32")
@@ -280,7 +203,7 @@ def test_export_target_side_files_in_place_and_refusals(tmp_path):
 def test_outputs_get_the_umask_permissions(tmp_path, umask):
     """Every file and folder written, whatever its writer (safetensors' private temp file, a copied
     owner-only tokenizer file, orbax), gets what a plain create under the umask gives."""
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").chmod(0o600)
     target = load_target(tmp_path / "hf", dtype="float32")
     old_umask = os.umask(umask)
@@ -302,7 +225,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_converts_and_reports_errors_in_one_line(tmp_path):
-    make_target(tmp_path / "hf")
+    target_folder(tmp_path / "hf")
     done = _cli(str(tmp_path / "hf"), str(tmp_path / "out"), "--dtype", "float32")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "out")
