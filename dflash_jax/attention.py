@@ -1,17 +1,16 @@
 """The one place that chooses between Pallas kernels and their plain-jnp references.
 
 ``impl`` is a static choice threaded through every forward:
-- ``"auto"``: on GPU, the kernels that beat XLA there (``AUTO_KERNELS``); references elsewhere;
+- ``"auto"``: on an NVIDIA GPU of compute capability >= 8.0, the kernels that beat XLA there
+  (``AUTO_KERNELS``); references elsewhere (CPU, ROCm, older GPUs);
 - ``"reference"``: plain jnp everywhere;
-- ``"pallas"``: every kernel, compiled (GPU only);
+- ``"pallas"``: every kernel, compiled (such a GPU only; a clear error elsewhere);
 - ``"interpret"``: every kernel in Pallas interpret mode (any backend; slow, for tests).
 """
 
 from __future__ import annotations
 
 from typing import Literal
-
-import jax
 
 import pallas_kernels as pk
 from pallas_kernels import tuning as pk_tuning
@@ -39,12 +38,11 @@ def resolve_impl(impl: AttentionImpl, op: str) -> str:
     """Turn ``auto`` into a concrete choice for ``op`` and reject combinations that cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
     if impl == "auto":
-        return "pallas" if backend == "gpu" and AUTO_KERNELS[op] else "reference"
-    if impl == "pallas" and backend != "gpu":
-        raise ValueError(f"attention impl 'pallas' needs a GPU (backend is '{backend}'); "
-                         "use 'interpret' to run the kernels on CPU or 'reference'")
+        return "pallas" if AUTO_KERNELS[op] and pk_tuning.kernel_device_problem() is None else "reference"
+    if impl == "pallas" and (problem := pk_tuning.kernel_device_problem()) is not None:
+        raise ValueError(f"attention impl 'pallas' cannot run here: {problem}; use 'reference' "
+                         "(or 'interpret', the kernels interpreted, slow)")
     return impl
 
 

@@ -422,9 +422,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="speculation block (<= the draft's trained size)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "interpret"],
-                   help="auto: on GPU the attention kernels and the norm/RoPE kernels that write KV pages, "
-                        "XLA for the rest; references on CPU. pallas: every kernel; interpret: the kernels "
-                        "in Pallas interpret mode (slow; for checking)")
+                   help="auto: on an NVIDIA GPU of compute capability >= 8.0 the attention kernels and the "
+                        "norm/RoPE kernels that write KV pages, XLA for the rest; references elsewhere. pallas: "
+                        "every kernel; interpret: the kernels in Pallas interpret mode (slow; for checking)")
     p.add_argument("--page-size", type=int, default=16)
     # Each chunk costs ~2.4 ms of host round trip at Qwen3-8B on an H200 (the GPU idles): 13%
     # of the step time at 4 steps per chunk, 4% at 16, which still streams ~10 updates a second.

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.norm_rope import rms_norm
-from pallas_kernels.tuning import NUM_SMS, SMEM_BUDGET, check_launch, check_positive, is_power_of_2, next_power_of_2
+from pallas_kernels.tuning import (GpuLimits, check_launch, check_positive, gpu_limits, is_power_of_2,
+                                   next_power_of_2)
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_m", "block_n", "block_k", "num_splits", "num_warps", "num_stages")
@@ -75,8 +76,9 @@ class MatmulBlocks:
 def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> MatmulBlocks:
-    """The tiling rule for an [m, k] x [k, n (output columns)] product; any argument given wins.
+                  num_stages: int | None = None, limits: GpuLimits | None = None) -> MatmulBlocks:
+    """The tiling rule for an [m, k] x [k, n (output columns)] product on a GPU of ``limits``
+    (default ``tuning.gpu_limits()``); any argument given wins.
 
     Rows are padded to >= 16 (the smallest tensor-core tile); 64-column weight tiles (128 bytes
     of a bf16 row per load); the largest K tile <= 256 (128 in f32) that divides K; K split only
@@ -86,6 +88,7 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     in two (benchmarks/RESULTS.md).
     """
     check_positive(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=num_splits)
+    limits = limits or gpu_limits()
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value is not None and not is_power_of_2(value):
             raise ValueError(f"{name} must be a power of two, got {value}")
@@ -99,15 +102,15 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     steps = k // block_k
     if num_splits is None:
         programs = pl.cdiv(n, block_n) * pl.cdiv(m, block_m)
-        num_splits = 1 if 2 * programs >= NUM_SMS else max(1, min(steps, pl.cdiv(NUM_SMS, programs)))
+        num_splits = 1 if 2 * programs >= limits.num_sms else max(1, min(steps, pl.cdiv(limits.num_sms, programs)))
         while steps % num_splits:
             num_splits -= 1
     stage_bytes = (block_m + (2 if gated else 1) * block_n) * block_k * itemsize
-    if stage_bytes > SMEM_BUDGET:
+    if stage_bytes > limits.smem_budget:
         raise ValueError(f"one stage of x and weight tiles ({stage_bytes} B: block_m {block_m}, block_n {block_n}, "
-                         f"block_k {block_k}) exceeds the {SMEM_BUDGET} B of shared memory a program may use")
+                         f"block_k {block_k}) exceeds the {limits.smem_budget} B of shared memory a program may use")
     if num_stages is None:
-        num_stages = max(1, min(3, SMEM_BUDGET // stage_bytes))
+        num_stages = max(1, min(3, limits.smem_budget // stage_bytes))
     num_warps = 4 if num_warps is None else num_warps
     check_launch(num_warps, num_stages)
     return MatmulBlocks(block_m, block_n, block_k, num_splits, num_warps, num_stages)

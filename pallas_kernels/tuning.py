@@ -1,7 +1,7 @@
 """Block sizes for the Pallas kernels: one rule per kernel family, overridable per call.
 
 The attention kernels are memory-bound (at most a few dozen FLOPs per KV byte), so the rule aims
-for (1) enough programs to cover every SM of an H100/H200 (132 SMs), splitting the context
+for (1) enough programs to cover every SM of the GPU (132 on an H100/H200), splitting the context
 across programs when batch x KV heads x query tiles is small, and (2) KV tiles of 128 tokens (64
 in f32) per loop step, software-pipelined as deep as shared memory allows. Measured on an H100
 (benchmarks/bench_kernels.py, 2026-11-21): three stages beat two by 10-20% once a program holds
@@ -9,19 +9,85 @@ in f32) per loop step, software-pipelined as deep as shared memory allows. Measu
 per SM, decode programs (16 rows) about two per SM; at 16-64 rows 8 warps were slower than 4.
 On the H200 (2026-11-22) a full batch of verify programs runs better two per SM on 64-token tiles
 (see ``attention_blocks``).
+
+The rules read the GPU's SM count and shared memory (``gpu_limits``): the tuning was measured on
+Hopper, and other NVIDIA GPUs of compute capability >= 8.0 get tiles that fit their smaller
+shared memory (A100 164 KB per SM, L4/L40/RTX 40 100 KB, against Hopper's 228 KB).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-NUM_SMS = 132  # H100 / H200
+import jax
+
 MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program
 MAX_SPLITS = 64
-# Triton keeps num_stages copies of the K and V tiles (and possibly the query tile) in shared
-# memory, 227 KB per SM on Hopper; stay under this so a config never fails to launch.
-SMEM_BUDGET = 220 * 1024
-SM_SHARED_MEMORY = 228 * 1024  # per SM on Hopper, shared by the programs resident on it
+# Shared memory per SM, KB, by CUDA compute capability (CUDA C++ Programming Guide, "Compute
+# Capabilities"); a program may use all but 1 KB of it. Capabilities not listed get the smallest.
+SMEM_PER_SM_KB = {(8, 0): 164, (8, 6): 100, (8, 7): 164, (8, 9): 100, (9, 0): 228, (10, 0): 228,
+                  (10, 3): 228, (12, 0): 100, (12, 1): 100}
+MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor-core dots in Triton
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLimits:
+    """What the tiling rules need from the GPU: its SM count and the shared memory of one SM."""
+
+    num_sms: int
+    smem_per_sm: int  # bytes
+
+    @property
+    def smem_budget(self) -> int:
+        """Shared memory one program may plan for: the per-program maximum (all but 1 KB of an SM)
+        less a margin. Triton keeps num_stages copies of the K and V tiles and the query tile in
+        shared memory, and measured on an H100 (2026-11-25) its attention kernels asked for that
+        plus under 1 KB; 7 KB of margin keeps every config launchable (Hopper: 220 KB)."""
+        return self.smem_per_sm - 8 * 1024
+
+
+HOPPER = GpuLimits(num_sms=132, smem_per_sm=228 * 1024)  # H100 / H200
+
+
+def cuda_compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA GPU device; None for any other device (CPU, ROCm)."""
+    if device.platform != "gpu" or not device.client.platform_version.lower().startswith("cuda"):
+        return None
+    major, minor = str(device.compute_capability).split(".")[:2]
+    return int(major), int(minor)
+
+
+def kernel_device_problem(device=None) -> str | None:
+    """Why the Pallas kernels cannot be compiled for ``device`` (jax's first device by default),
+    or None when they can: an NVIDIA GPU of compute capability >= 8.0."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return f"the device is a {device.platform.upper()}, not a GPU"
+    capability = cuda_compute_capability(device)
+    if capability is None:
+        return (f"the kernels are built and tested for NVIDIA GPUs (Triton through Pallas), and this GPU "
+                f"runs {device.client.platform_version}")
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return (f"{device.device_kind} has compute capability {capability[0]}.{capability[1]}; the kernels' "
+                "bf16 tensor-core dots need 8.0 (Ampere) or newer")
+    return None
+
+
+def device_limits(device) -> GpuLimits:
+    """The limits of a CUDA GPU device; ``HOPPER`` for any other (on CPU the kernels run in
+    interpret mode, or are lowered for an H100)."""
+    capability = cuda_compute_capability(device)
+    if capability is None:
+        return HOPPER
+    smem_kb = SMEM_PER_SM_KB.get(capability, min(SMEM_PER_SM_KB.values()))
+    return GpuLimits(num_sms=int(getattr(device, "core_count", HOPPER.num_sms)), smem_per_sm=smem_kb * 1024)
+
+
+@functools.cache
+def gpu_limits() -> GpuLimits:
+    """``device_limits`` of jax's first device (what the kernels compile for)."""
+    return device_limits(jax.devices()[0])
 
 
 def next_power_of_2(n: int) -> int:
@@ -62,7 +128,7 @@ class AttentionBlocks:
 
 def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                      pages_per_seq: int, batch: int, kv_heads: int, itemsize: int = 2,
-                     extra_smem_bytes: int = 0,
+                     extra_smem_bytes: int = 0, limits: GpuLimits | None = None,
                      block_t: int | None = None, pages_per_block: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> AttentionBlocks:
@@ -73,8 +139,11 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     tokens (64 for f32 or head_dim > 128, and for a full batch of 64-row programs, see below),
     never under 16 and never less than one page. ``extra_smem_bytes``: shared memory a program
     holds besides its query tile and KV stages (counted when choosing the stages; ValueError when
-    not even one stage fits).
+    not even one stage fits). ``limits``: the GPU's (default ``gpu_limits()``); where two stages
+    of 128-token tiles do not fit its shared memory, the tile halves down to 64 tokens first.
     """
+    limits = limits or gpu_limits()
+    budget = limits.smem_budget
     check_positive(block_t=block_t, pages_per_block=pages_per_block, num_splits=num_splits,
                    num_warps=num_warps, num_stages=num_stages)
     if q_len < 1 or batch < 1:
@@ -91,8 +160,8 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     # copy). Smaller batches lost when split further to fill two per SM (bs 1 / 8: 5-15% slower),
     # and the draft kernel's block K/V (``extra_smem_bytes``) leave no room for a second program.
     kv_64_stage = 2 * 64 * head_dim * itemsize
-    co_resident = (small and rows == 64 and page_size <= 64 and programs >= NUM_SMS and
-                   2 * (3 * kv_64_stage + rows * head_dim * itemsize + extra_smem_bytes) <= SM_SHARED_MEMORY)
+    co_resident = (small and rows == 64 and page_size <= 64 and programs >= limits.num_sms and
+                   2 * (3 * kv_64_stage + rows * head_dim * itemsize + extra_smem_bytes + 1024) <= limits.smem_per_sm)
     q_bytes = rows * head_dim * itemsize
 
     def stage_bytes(pages: int) -> int:
@@ -102,21 +171,26 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     if pages_per_block is None:
         kv_tokens = 64 if co_resident or not small else 128
         pages_per_block = max(1, kv_tokens // page_size, fewest_pages)
+        # a GPU with less shared memory than Hopper's: halve the tile (to 64 tokens at least)
+        # until two stages fit, so loads still overlap compute
+        while (pages_per_block * page_size > 64 and pages_per_block > fewest_pages and
+               2 * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget):
+            pages_per_block //= 2
         # large pages or head_dim, f32 or a long draft block: halve the tile until one stage fits
         while (pages_per_block > fewest_pages and
-               stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > SMEM_BUDGET):
+               stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget):
             pages_per_block //= 2
     if num_stages is None:
         num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
-                          if s == 1 or s * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes <= SMEM_BUDGET)
-    if stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > SMEM_BUDGET:
+                          if s == 1 or s * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes <= budget)
+    if stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget:
         smaller = "a smaller page_size" if pages_per_block == fewest_pages else "fewer pages_per_block"
         raise ValueError(f"one KV stage ({stage_bytes(pages_per_block)} B: {pages_per_block} page(s) of {page_size} "
                          f"tokens), the query tile ({q_bytes} B) and the block's own K/V ({extra_smem_bytes} B) "
-                         f"exceed the {SMEM_BUDGET} B of shared memory a program may use: take {smaller} "
+                         f"exceed the {budget} B of shared memory a program may use: take {smaller} "
                          "or a smaller block_t")
     if num_splits is None:
-        target = NUM_SMS * (2 if rows <= 16 or co_resident else 1)
+        target = limits.num_sms * (2 if rows <= 16 or co_resident else 1)
         tiles = -(-pages_per_seq // pages_per_block)
         num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     if num_warps is None:

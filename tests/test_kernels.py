@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import types
 import zlib
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import tuning as pk_tuning
+from pallas_kernels.fused_matmul import matmul_blocks
 
 F32_TOL = 1e-5
 LOW_TOL = 1e-2  # bf16 / f16: relative L2 error
@@ -471,6 +473,57 @@ def test_attention_block_rule():
     assert (small.pages_per_block, small.num_splits) == (8, 2)
     draft = pk_tuning.attention_blocks(batch=32, extra_smem_bytes=2 * 16 * 128 * 2, **shape)
     assert (draft.pages_per_block, draft.num_splits) == (8, 1)
+
+
+class _Device:
+    """A stand-in for a jax device, as the tiling rules read one."""
+
+    def __init__(self, platform="gpu", version="cuda 12080", capability="9.0", kind="NVIDIA H100 80GB HBM3", sms=132):
+        self.platform, self.compute_capability, self.device_kind, self.core_count = platform, capability, kind, sms
+        self.client = types.SimpleNamespace(platform_version=version)
+
+
+def test_kernels_run_on_nvidia_gpus_of_compute_capability_8_or_newer():
+    assert pk_tuning.kernel_device_problem(_Device()) is None
+    assert pk_tuning.kernel_device_problem(_Device(capability="8.0", kind="NVIDIA A100-SXM4-80GB")) is None
+    assert "not a GPU" in pk_tuning.kernel_device_problem(_Device(platform="cpu"))
+    assert "runs rocm 60200" in pk_tuning.kernel_device_problem(_Device(version="rocm 60200"))
+    assert "Tesla T4 has compute capability 7.5" in pk_tuning.kernel_device_problem(
+        _Device(capability="7.5", kind="Tesla T4"))
+
+
+# Qwen3-8B's attention (bf16), and f32 at head_dim 64 (the tests' dtype), for verify, decode,
+# the draft (its block K/V in shared memory) and a full batch at block 8.
+_RULE_CASES = [dict(q_len=q_len, group=4, head_dim=head_dim, page_size=16, pages_per_seq=2048, batch=batch,
+                    kv_heads=8, itemsize=itemsize, extra_smem_bytes=extra * 2 * 16 * head_dim * itemsize)
+               for q_len, batch, extra in ((16, 1, 0), (1, 8, 0), (16, 8, 1), (8, 32, 0), (16, 32, 0))
+               for head_dim, itemsize in ((128, 2), (64, 4))]
+
+
+@pytest.mark.parametrize("capability", sorted(pk_tuning.SMEM_PER_SM_KB) + [(11, 0)], ids=lambda c: "%d.%d" % c)
+def test_tiling_rules_fit_each_gpus_shared_memory(capability):
+    """Every config the rules pick plans at most the GPU's budget (Triton takes the plan + < 1 KB,
+    measured), keeps two stages where a 64-token tile allows, and co-resident programs fit twice."""
+    limits = pk_tuning.device_limits(_Device(capability="%d.%d" % capability, sms=108))
+    assert limits.num_sms == 108
+    assert limits.smem_per_sm == pk_tuning.SMEM_PER_SM_KB.get(capability, 100) * 1024
+    for case in _RULE_CASES:
+        blocks = pk_tuning.attention_blocks(limits=limits, **case)
+        rows = blocks.block_t * case["group"]
+        stage = 2 * blocks.pages_per_block * 16 * case["head_dim"] * case["itemsize"]
+        planned = blocks.num_stages * stage + rows * case["head_dim"] * case["itemsize"] + case["extra_smem_bytes"]
+        assert planned <= limits.smem_budget, (case, blocks)
+        assert blocks.num_stages >= 2 or blocks.pages_per_block * 16 <= 64, (case, blocks)
+    for m, k, n, gated in ((1, 4096, 6144, False), (16, 4096, 12288, True), (16, 12288, 4096, False)):
+        blocks = matmul_blocks(m, k, n, 2, gated=gated, limits=limits)
+        stage = (blocks.block_m + (2 if gated else 1) * blocks.block_n) * blocks.block_k * 2
+        assert blocks.num_stages * stage <= limits.smem_budget
+
+
+def test_hopper_limits_on_cpu():
+    """On CPU (interpret mode and the CUDA lowering) the rules plan for an H100/H200."""
+    if jax.default_backend() == "cpu":
+        assert pk_tuning.gpu_limits() == pk_tuning.HOPPER == pk_tuning.device_limits(_Device(platform="cpu"))
 
 
 def test_tiling_rule_shrinks_the_kv_tile_to_fit_and_names_the_page_size():

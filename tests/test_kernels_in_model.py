@@ -69,16 +69,22 @@ def test_gqa_group_that_is_not_a_power_of_two():
                                                          **kwargs).stats.accept_lengths
 
 
-def test_dispatch_point():
-    """auto: the kernels AUTO_KERNELS lists, on a GPU only; pallas needs a GPU; interpret runs
-    anywhere; anything else is refused."""
+def test_dispatch_point(monkeypatch):
+    """auto: the kernels AUTO_KERNELS lists, where the device can run them; pallas there only,
+    with the reason elsewhere; interpret runs anywhere; anything else is refused."""
     from dflash_jax.attention import AUTO_KERNELS, resolve_impl
-    gpu = jax.default_backend() == "gpu"
+    from pallas_kernels import tuning
+    able = tuning.kernel_device_problem() is None
+    assert able == (jax.default_backend() == "gpu")  # CI's CPU; the lent H100/H200
     for op, on in AUTO_KERNELS.items():
-        assert resolve_impl("auto", op) == ("pallas" if gpu and on else "reference")
+        assert resolve_impl("auto", op) == ("pallas" if able and on else "reference")
         assert resolve_impl("interpret", op) == "interpret" and resolve_impl("reference", op) == "reference"
-    if not gpu:
-        with pytest.raises(ValueError, match="'pallas' needs a GPU"):
-            resolve_impl("pallas", "verify_attention")
+    monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: "the device is a TPU, not a GPU")
+    assert resolve_impl("auto", "verify_attention") == "reference"
+    with pytest.raises(ValueError, match="'pallas' cannot run here: the device is a TPU, not a GPU; use 'reference'"):
+        resolve_impl("pallas", "verify_attention")
+    monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: None)
+    assert resolve_impl("auto", "verify_attention") == "pallas" and resolve_impl("pallas", "fused_matmul") == "pallas"
+    assert resolve_impl("auto", "fused_matmul") == ("pallas" if AUTO_KERNELS["fused_matmul"] else "reference")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_impl("triton", "verify_attention")
