@@ -52,16 +52,17 @@ HOPPER = GpuLimits(num_sms=132, smem_per_sm=228 * 1024)  # H100 / H200
 
 def cuda_compute_capability(device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA GPU device; None for any other device (CPU, ROCm)."""
-    if device.platform != "gpu" or not device.client.platform_version.lower().startswith("cuda"):
+    if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
         return None
     major, minor = str(device.compute_capability).split(".")[:2]
     return int(major), int(minor)
 
 
 def kernel_device_problem(device=None) -> str | None:
-    """Why the Pallas kernels cannot be compiled for ``device`` (jax's first device by default),
-    or None when they can: an NVIDIA GPU of compute capability >= 8.0."""
-    device = device or jax.devices()[0]
+    """Why the Pallas kernels cannot be compiled for ``device`` (by default: for some device of
+    jax's default backend), or None when they can: an NVIDIA GPU of compute capability >= 8.0."""
+    if device is None:
+        return next(filter(None, map(kernel_device_problem, jax.local_devices())), None)
     if device.platform != "gpu":
         return f"the device is a {device.platform.upper()}, not a GPU"
     capability = cuda_compute_capability(device)
@@ -86,8 +87,10 @@ def device_limits(device) -> GpuLimits:
 
 @functools.cache
 def gpu_limits() -> GpuLimits:
-    """``device_limits`` of jax's first device (what the kernels compile for)."""
-    return device_limits(jax.devices()[0])
+    """The tightest ``device_limits`` over the devices of jax's default backend (the kernels
+    compile for whichever of them a computation runs on)."""
+    limits = [device_limits(device) for device in jax.local_devices()]
+    return GpuLimits(num_sms=min(x.num_sms for x in limits), smem_per_sm=min(x.smem_per_sm for x in limits))
 
 
 def next_power_of_2(n: int) -> int:
@@ -171,9 +174,10 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     if pages_per_block is None:
         kv_tokens = 64 if co_resident or not small else 128
         pages_per_block = max(1, kv_tokens // page_size, fewest_pages)
-        # a GPU with less shared memory than Hopper's: halve the tile (to 64 tokens at least)
-        # until two stages fit, so loads still overlap compute
-        while (pages_per_block * page_size > 64 and pages_per_block > fewest_pages and
+        # a GPU with less shared memory than Hopper's (where the rule was measured): halve the
+        # tile (to 64 tokens at least) until two stages fit, so loads still overlap compute
+        while (limits.smem_per_sm < HOPPER.smem_per_sm and pages_per_block * page_size > 64 and
+               pages_per_block > fewest_pages and
                2 * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget):
             pages_per_block //= 2
         # large pages or head_dim, f32 or a long draft block: halve the tile until one stage fits
@@ -184,7 +188,12 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
         num_stages = next(s for s in ((3, 2, 1) if rows >= 32 else (2, 1))
                           if s == 1 or s * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes <= budget)
     if stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget:
-        smaller = "a smaller page_size" if pages_per_block == fewest_pages else "fewer pages_per_block"
+        if pages_per_block > fewest_pages:
+            smaller = "fewer pages_per_block"
+        elif page_size > 16:  # a smaller page makes a smaller tile
+            smaller = "a smaller page_size"
+        else:  # the tile is already the smallest
+            smaller = "a 2-byte dtype, a shorter draft block"
         raise ValueError(f"one KV stage ({stage_bytes(pages_per_block)} B: {pages_per_block} page(s) of {page_size} "
                          f"tokens), the query tile ({q_bytes} B) and the block's own K/V ({extra_smem_bytes} B) "
                          f"exceed the {budget} B of shared memory a program may use: take {smaller} "

@@ -465,14 +465,21 @@ def test_verify_rejects_bad_args(match, shapes):
 def test_attention_block_rule():
     """Qwen3-8B verify (16 tokens x GQA 4 = 64 rows): a batch filling every SM unsplit gets
     64-token tiles (two programs per SM); smaller batches, and the draft kernel with its block
-    K/V in shared memory, keep 128-token tiles and split the context instead."""
-    shape = dict(q_len=16, group=4, head_dim=128, page_size=16, pages_per_seq=2048, kv_heads=8)
+    K/V in shared memory, keep 128-token tiles and split the context instead (on an H100/H200,
+    whatever GPU runs the test; an A100 has no room for two programs per SM)."""
+    shape = dict(q_len=16, group=4, head_dim=128, page_size=16, pages_per_seq=2048, kv_heads=8,
+                 limits=pk_tuning.HOPPER)
     full = pk_tuning.attention_blocks(batch=32, **shape)
     assert (full.pages_per_block, full.num_splits, full.num_stages) == (4, 1, 3)
     small = pk_tuning.attention_blocks(batch=8, **shape)
     assert (small.pages_per_block, small.num_splits) == (8, 2)
     draft = pk_tuning.attention_blocks(batch=32, extra_smem_bytes=2 * 16 * 128 * 2, **shape)
     assert (draft.pages_per_block, draft.num_splits) == (8, 1)
+    # two programs of 112 KB plus a 2 KB draft block would need 230 KB with CUDA's 1 KB each
+    short_block = pk_tuning.attention_blocks(batch=32, extra_smem_bytes=2 * 4 * 128 * 2, **shape)
+    assert short_block.pages_per_block == 8
+    a100 = pk_tuning.attention_blocks(batch=32, **{**shape, "limits": pk_tuning.GpuLimits(108, 164 * 1024)})
+    assert (a100.pages_per_block, a100.num_splits, a100.num_stages) == (8, 1, 2)
 
 
 class _Device:
@@ -500,13 +507,18 @@ _RULE_CASES = [dict(q_len=q_len, group=4, head_dim=head_dim, page_size=16, pages
                for head_dim, itemsize in ((128, 2), (64, 4))]
 
 
-@pytest.mark.parametrize("capability", sorted(pk_tuning.SMEM_PER_SM_KB) + [(11, 0)], ids=lambda c: "%d.%d" % c)
+# Shared memory per SM, KB (CUDA C++ Programming Guide, "Compute Capabilities"); 11.0 is not in
+# the rules' table and gets the smallest.
+_SMEM_KB = {(8, 0): 164, (8, 6): 100, (8, 7): 164, (8, 9): 100, (9, 0): 228, (10, 0): 228, (10, 3): 228,
+            (12, 0): 100, (12, 1): 100, (11, 0): 100}
+
+
+@pytest.mark.parametrize("capability", sorted(_SMEM_KB), ids=lambda c: "%d.%d" % c)
 def test_tiling_rules_fit_each_gpus_shared_memory(capability):
     """Every config the rules pick plans at most the GPU's budget (Triton takes the plan + < 1 KB,
-    measured), keeps two stages where a 64-token tile allows, and co-resident programs fit twice."""
+    measured) and keeps two stages where a 64-token tile allows."""
     limits = pk_tuning.device_limits(_Device(capability="%d.%d" % capability, sms=108))
-    assert limits.num_sms == 108
-    assert limits.smem_per_sm == pk_tuning.SMEM_PER_SM_KB.get(capability, 100) * 1024
+    assert limits == pk_tuning.GpuLimits(num_sms=108, smem_per_sm=_SMEM_KB[capability] * 1024)
     for case in _RULE_CASES:
         blocks = pk_tuning.attention_blocks(limits=limits, **case)
         rows = blocks.block_t * case["group"]
@@ -520,6 +532,24 @@ def test_tiling_rules_fit_each_gpus_shared_memory(capability):
         assert blocks.num_stages * stage <= limits.smem_budget
 
 
+def test_split_count_follows_the_sm_count():
+    """Decode at bs 1 (8 programs of 16 rows, two per SM): the context splits fill the GPU."""
+    shape = dict(q_len=1, group=4, head_dim=128, page_size=16, pages_per_seq=2048, batch=1, kv_heads=8)
+    splits = [pk_tuning.attention_blocks(limits=pk_tuning.GpuLimits(sms, 228 * 1024), **shape).num_splits
+              for sms in (132, 58)]
+    assert splits == [2 * 132 // 8, 2 * 58 // 8]
+
+
+def test_limits_and_support_over_every_device(monkeypatch):
+    """A host with several GPUs: the tiles fit the smallest, and one GPU the kernels cannot use
+    turns them off (a computation may run on any of them)."""
+    monkeypatch.setattr(pk_tuning.jax, "local_devices", lambda: [_Device(), _Device(capability="8.0", sms=108)])
+    assert pk_tuning.gpu_limits.__wrapped__() == pk_tuning.GpuLimits(108, 164 * 1024)
+    assert pk_tuning.kernel_device_problem() is None
+    monkeypatch.setattr(pk_tuning.jax, "local_devices", lambda: [_Device(), _Device(capability="7.5", kind="Tesla T4")])
+    assert "Tesla T4 has compute capability 7.5" in pk_tuning.kernel_device_problem()
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU the rules plan for that GPU")
 def test_hopper_limits_on_cpu():
     """On CPU (interpret mode and the CUDA lowering) the rules plan for an H100/H200."""
@@ -529,11 +559,15 @@ def test_hopper_limits_on_cpu():
 def test_tiling_rule_shrinks_the_kv_tile_to_fit_and_names_the_page_size():
     """Where 64 tokens of K/V do not fit beside the query tile (f32 at head_dim 256 with a draft
     block), the rule halves the tile; where one page alone does not fit, it says so."""
-    shape = dict(q_len=16, group=4, head_dim=256, pages_per_seq=64, batch=1, kv_heads=8, itemsize=4)
+    shape = dict(q_len=16, group=4, head_dim=256, pages_per_seq=64, batch=1, kv_heads=8, itemsize=4,
+                 limits=pk_tuning.HOPPER)
     blocks = pk_tuning.attention_blocks(page_size=16, extra_smem_bytes=2 * 16 * 256 * 4, **shape)
     assert blocks.pages_per_block == 2 and blocks.num_stages == 1
     with pytest.raises(ValueError, match="take a smaller page_size"):
         pk_tuning.attention_blocks(page_size=128, **shape)
+    with pytest.raises(ValueError, match="take a 2-byte dtype, a shorter draft block or a smaller block_t"):
+        pk_tuning.attention_blocks(page_size=16, extra_smem_bytes=2 * 16 * 256 * 4,
+                                   **{**shape, "limits": pk_tuning.GpuLimits(58, 100 * 1024)})
     jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(head_dim=256, dtype=jnp.float32))
 
 

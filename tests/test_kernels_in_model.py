@@ -75,7 +75,8 @@ def test_dispatch_point(monkeypatch):
     from dflash_jax.attention import AUTO_KERNELS, resolve_impl
     from pallas_kernels import tuning
     able = tuning.kernel_device_problem() is None
-    assert able == (jax.default_backend() == "gpu")  # CI's CPU; the lent H100/H200
+    if jax.default_backend() == "cpu":  # CI
+        assert not able
     for op, on in AUTO_KERNELS.items():
         assert resolve_impl("auto", op) == ("pallas" if able and on else "reference")
         assert resolve_impl("interpret", op) == "interpret" and resolve_impl("reference", op) == "reference"
