@@ -36,14 +36,21 @@ DTYPE = jnp.bfloat16
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+    """(K, output columns N, gated) of each fused projection."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv": (h, q + 2 * kv, False), "o": (q, h, False), "gate_up": (h, i, True), "down": (i, h, False)}
+
+
 def layer_weights(key, fused: bool, config: ModelConfig) -> dict:
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     k = jax.random.split(key, 7)
     normal = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(DTYPE)  # noqa: E731
-    if fused:
-        return {"qkv": normal(k[0], (h, q + 2 * kv)), "o": normal(k[1], (q, h)),
-                "gate_up": normal(k[2], (h, 2 * i)), "down": normal(k[3], (i, h))}
+    if fused:  # [K, N], or [K, 2N] for gate|up
+        return {name: normal(k[j], (depth, (2 if gated else 1) * n))
+                for j, (name, (depth, n, gated)) in enumerate(projection_shapes(config).items())}
     return {"q": normal(k[0], (h, q)), "k": normal(k[4], (h, kv)), "v": normal(k[5], (h, kv)),
             "o": normal(k[1], (q, h)), "gate": normal(k[2], (h, i)), "up": normal(k[6], (h, i)),
             "down": normal(k[3], (i, h))}
@@ -89,13 +96,6 @@ def tunings(text: str) -> list[dict]:
             raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers, got {bad}")
         result.append(tuning)
     return result
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-    """(K, output columns N, gated) of each fused projection."""
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"qkv": (h, q + 2 * kv, False), "o": (q, h, False), "gate_up": (h, i, True), "down": (i, h, False)}
 
 
 def check_tunings(parser: argparse.ArgumentParser, args: argparse.Namespace, config: ModelConfig) -> None:
