@@ -23,6 +23,7 @@ from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.config import ConfigError
 from dflash_jax.generate import generate
 from dflash_jax.models import Draft, load_draft
+from dflash_jax.sampling import SamplingConfig
 
 MAX_NEW = 48          # max over a batch: every call keeps it so compiled loops are shared
 PROMPT_LENS = (7, 9, 11, 14)   # the copy construction needs >= 6
@@ -310,6 +311,20 @@ def test_kernels_lossless_and_reference_parity(spec_pair, baseline):
         ref_tokens, ref_accept = reference(spec_pair.hf_draft, spec_pair.hf_target, prompt, MAX_NEW)
         assert out.tokens[b] == ref_tokens and out.stats.accept_lengths[b] == ref_accept, f"sequence {b}"
     assert np.mean([n for seq in out.stats.accept_lengths for n in seq]) > 2.0
+
+
+def test_kernels_sample_what_the_references_sample(spec_pair, baseline):
+    """Sampled speculation (drafts drawn from q, accepted against p, residual draws) through every
+    kernel draws what the references draw from the same seed: the kernels change p and q only by
+    float rounding, far below what moves a draw, while a wrong q or p moves the acceptances."""
+    prompts, greedy = baseline
+    kwargs = dict(draft=spec_pair.draft, max_new_tokens=MAX_NEW, seed=3,
+                  sampling=SamplingConfig(temperature=1.0, top_p=0.95))
+    sampled = generate(spec_pair.target, prompts, impl="reference", **kwargs)
+    kernels = generate(spec_pair.target, prompts, impl="interpret", **kwargs)
+    assert kernels.tokens == sampled.tokens
+    assert kernels.stats.accept_lengths == sampled.stats.accept_lengths
+    assert sampled.tokens != greedy and np.mean([n for seq in sampled.stats.accept_lengths for n in seq]) > 1.5
 
 
 def test_kernels_draft_internals_match_reference(random_pair, spec_pair, sliding_draft):
