@@ -11,6 +11,7 @@ from pallas_kernels.norm_rope import (apply_rope, norm_rope_reference, norm_rope
                                       norm_rope_write_reference, qkv_norm_rope, qkv_norm_rope_reference,
                                       qkv_norm_rope_write, qkv_norm_rope_write_reference, rms_norm,
                                       split_qkv)
+from pallas_kernels.split_merge import combine_splits, combine_splits_reference
 from pallas_kernels.fused_matmul import fused_matmul, fused_matmul_reference
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
@@ -28,6 +29,8 @@ __all__ = [
     "qkv_norm_rope_write",
     "qkv_norm_rope_write_reference",
     "split_qkv",
+    "combine_splits",
+    "combine_splits_reference",
     "fused_matmul",
     "fused_matmul_reference",
     "paged_verify_attention",

@@ -120,8 +120,8 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           sliding_window: int | None = None, causal: bool = False,
                           interpret: bool = False, block_t: int | None = None,
                           pages_per_block: int | None = None, num_splits: int | None = None,
-                          num_warps: int | None = None,
-                          num_stages: int | None = None) -> jax.Array:
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          pallas_merge: bool | None = None) -> jax.Array:
     """Pallas version of ``paged_draft_attention_reference`` (same arguments and result).
 
     One kernel: paged context and the block's own K/V (cast to the pages' dtype) share one
@@ -146,7 +146,7 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     block_kv_bytes = 2 * block * q.shape[3] * k_pages.dtype.itemsize
     blocks = choose_blocks(q, k_pages, page_table, block_kv_bytes, block_t=block_t,
                            pages_per_block=pages_per_block, num_splits=num_splits,
-                           num_warps=num_warps, num_stages=num_stages)
+                           num_warps=num_warps, num_stages=num_stages, pallas_merge=pallas_merge)
     kernel = functools.partial(_draft_kernel, q_len=block, block_t=blocks.block_t,
                                pages_per_block=blocks.pages_per_block,
                                num_splits=blocks.num_splits, sliding_window=sliding_window,

@@ -24,6 +24,14 @@ import jax
 
 MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program
 MAX_SPLITS = 64
+# A split context is merged by the Pallas ``combine_splits`` kernel from this many splits, or
+# from this many partial elements (splits x rows x head_dim), and by plain XLA below both. XLA
+# fuses a small merge with its neighbours: in the model on an H200 (2026-11-26) it was 0.2-1%
+# faster per step at bs 1, ctx 512-1024 (3-5 splits), while from 10 splits, and at bs 8 (2
+# splits of 4096 rows), the kernel was level or up to 2% faster; in #4's 134 MB cells it takes
+# 0.3-3.5 µs less per call (benchmarks/RESULTS.md, session 17).
+PALLAS_MERGE_MIN_SPLITS = 8
+PALLAS_MERGE_MIN_ELEMENTS = 1 << 20
 # Shared memory per SM, KB, by CUDA compute capability (CUDA C++ Programming Guide, "Compute
 # Capabilities"); a program may use all but 1 KB of it. Capabilities not listed get the smallest.
 SMEM_PER_SM_KB = {(8, 0): 164, (8, 6): 100, (8, 7): 164, (8, 9): 100, (9, 0): 228, (10, 0): 228,
@@ -120,13 +128,15 @@ def check_positive(**values: int | None) -> None:
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """block_t: query tokens per program (rows = block_t * group); pages_per_block: pages per
-    online-softmax step; num_splits: context partitions per (sequence, head, query tile)."""
+    online-softmax step; num_splits: context partitions per (sequence, head, query tile);
+    pallas_merge: the splits are merged by the Pallas kernel (False: by plain XLA)."""
 
     block_t: int
     pages_per_block: int
     num_splits: int
     num_warps: int
     num_stages: int
+    pallas_merge: bool
 
 
 def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
@@ -134,7 +144,7 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                      extra_smem_bytes: int = 0, limits: GpuLimits | None = None,
                      block_t: int | None = None, pages_per_block: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> AttentionBlocks:
+                     num_stages: int | None = None, pallas_merge: bool | None = None) -> AttentionBlocks:
     """Pick the blocks for paged verify/draft attention; any argument given wins over the rule.
 
     Rows per program are padded to at least 16 (the smallest tensor-core tile) and capped at 128
@@ -204,8 +214,12 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
         num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     if num_warps is None:
         num_warps = 8 if rows >= 128 else 4
+    if pallas_merge is None:
+        partials = num_splits * batch * q_len * kv_heads * group * head_dim
+        pallas_merge = (num_splits >= PALLAS_MERGE_MIN_SPLITS or
+                        (num_splits > 1 and partials >= PALLAS_MERGE_MIN_ELEMENTS))
     check_launch(num_warps, num_stages)
-    return AttentionBlocks(block_t, pages_per_block, num_splits, num_warps, num_stages)
+    return AttentionBlocks(block_t, pages_per_block, num_splits, num_warps, num_stages, pallas_merge)
 
 
 def row_block(rows: int, *, max_rows: int = 64) -> int:

@@ -11,8 +11,8 @@ a power of two rides padded with zero queries, ``padded_group``) and streams the
 sequence's pages through an online softmax, ``pages_per_block`` pages per step, reading only the
 pages its rows can see (ragged lengths, sliding window). When batch x heads is too small to fill
 the GPU the context is split over ``num_splits`` programs whose partial results are merged by
-log-sum-exp in plain XLA. The page loop and the softmax step here are shared with
-``draft_attention``.
+log-sum-exp (``split_merge``: a Pallas kernel, or plain XLA for small merges). The page loop and
+the softmax step here are shared with ``draft_attention``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paging import gather_pages
+from pallas_kernels.split_merge import combine_splits, combine_splits_reference
 from pallas_kernels.tuning import AttentionBlocks, attention_blocks, is_power_of_2, next_power_of_2
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages")
+TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages", "pallas_merge")
 
 
 def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
@@ -273,15 +274,6 @@ def choose_blocks(q, k_pages, page_table, extra_smem_bytes: int = 0, **tuning) -
     return blocks
 
 
-def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merge per-split normalized outputs o [S, ..., D] by their log2-sum-exp lse [S, ...]."""
-    top = jnp.max(lse, axis=0)
-    weights = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
-    denom = jnp.sum(weights, axis=0)
-    out = jnp.sum(weights[..., None] * o.astype(jnp.float32), axis=0)
-    return (out / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(o.dtype)
-
-
 def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, block_kv,
                          blocks: AttentionBlocks, *, interpret: bool, name: str) -> jax.Array:
     """Launch a paged attention kernel over grid (split, query tile, sequence, KV head).
@@ -329,7 +321,12 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
         interpret=interpret,
         name=name,
     )(*[x.astype(jnp.int32) for x in seq_scalars], page_table, q5, k_pages, v_pages, *block_kv)
-    out = outs[0] if splits == 1 else combine_splits(*outs)
+    if splits == 1:
+        out = outs[0]
+    elif blocks.pallas_merge:
+        out = combine_splits(*outs, interpret=interpret)
+    else:
+        out = combine_splits_reference(*outs)
     return out[:, :, :, :q_heads // kv_heads].reshape(q.shape)
 
 
@@ -366,18 +363,18 @@ def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sliding_window: int | None = None, interpret: bool = False,
                            block_t: int | None = None, pages_per_block: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> jax.Array:
+                           num_stages: int | None = None, pallas_merge: bool | None = None) -> jax.Array:
     """Pallas version of ``paged_verify_attention_reference`` (same arguments and result).
 
     Tuning keywords default to ``tuning.attention_blocks``: block_t query tokens per program,
     pages_per_block pages per softmax step, num_splits context partitions, Triton num_warps and
-    num_stages.
+    num_stages, and whether a split context is merged by the Pallas kernel (pallas_merge).
     """
     check_paged_args(q, k_pages, v_pages, page_table, start, "start")
     check_sliding_window(sliding_window)
     blocks = choose_blocks(q, k_pages, page_table, block_t=block_t,
                            pages_per_block=pages_per_block, num_splits=num_splits,
-                           num_warps=num_warps, num_stages=num_stages)
+                           num_warps=num_warps, num_stages=num_stages, pallas_merge=pallas_merge)
     kernel = functools.partial(_verify_kernel, q_len=q.shape[1], block_t=blocks.block_t,
                                pages_per_block=blocks.pages_per_block,
                                num_splits=blocks.num_splits, sliding_window=sliding_window)

@@ -98,7 +98,8 @@ def _grid(*axes):
 # exact page multiple and a random length.
 VERIFY_GRID = _grid(("f32", "bf16"), (1, 4, 8), (64, 128), (None, 20))
 VERIFY_T = (1, 16, 5, 37)
-TUNINGS = ({}, {"num_splits": 3}, {"pages_per_block": 1}, {"block_t": 16, "num_splits": 2})
+TUNINGS = ({}, {"num_splits": 3, "pallas_merge": True}, {"pages_per_block": 1},
+           {"block_t": 16, "num_splits": 2, "pallas_merge": False})
 VERIFY_CASES = [
     (dtype, group, head_dim, (16, 32)[(i + i // 2) % 2], window, VERIFY_T[(i + i // 4) % 4],
      TUNINGS[(i // 2 + i // 4) % 4])
@@ -369,6 +370,38 @@ def test_fused_matmul(case, interpret, check):
 
 
 # --------------------------------------------------------------------------------------------
+# combine_splits: the log-sum-exp merge of a split context (the attention tests above run it
+# inside the kernels; here it meets its reference alone, with splits that saw nothing).
+
+MERGE_CASES = [
+    ("bf16", 16, (1, 16, 8, 4), 128, {}),  # Qwen3-8B verify at bs 1: 16 splits
+    ("bf16", 2, (3, 16, 8, 4), 128, {}),
+    ("f32", 3, (2, 5, 3, 2), 64, {}),  # a split count and row count that are not powers of two
+    ("f16", 5, (7,), 16, {"block_rows": 4, "num_warps": 2}),
+    ("bf16", 1, (2, 3), 128, {"block_rows": 1}),
+    ("f32", 64, (1, 1, 2, 8), 128, {}),
+]
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_combine_splits(case, interpret, check):
+    """A third of the (split, row) partials saw no key (lse -inf, rows zero, as the attention
+    kernels write them) and the first row was seen by no split (it must come out as zeros)."""
+    dtype, splits, lead, head_dim, tuning = case
+    dtype = DTYPES[dtype]
+    rng = _rng("combine_splits", case)
+    lse = 8 * rng.standard_normal((splits, *lead)).astype(np.float32)
+    lse[rng.random(lse.shape) < 1 / 3] = -np.inf
+    lse.reshape(splits, -1)[:, 0] = -np.inf
+    o = rng.standard_normal((splits, *lead, head_dim)) * np.isfinite(lse)[..., None]
+    o, lse = jnp.asarray(o, dtype), jnp.asarray(lse)
+    out = pk.combine_splits(o, lse, interpret=interpret, **tuning)
+    ref = _reference(pk.combine_splits_reference, o, lse)
+    assert out.dtype == dtype and not np.asarray(out).reshape(-1, head_dim)[0].any()
+    check(out, ref, dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # Argument checking and the CUDA (Triton) lowering, both without running anything.
 
 S = jax.ShapeDtypeStruct
@@ -410,7 +443,7 @@ LOWERINGS = {
     "verify_f16_head_dim_64_page_32": (pk.paged_verify_attention,
                                        _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
     "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
-                     {"pages_per_block": 1, "block_t": 16, "num_splits": 2}),
+                     {"pages_per_block": 1, "block_t": 16, "num_splits": 2, "pallas_merge": True}),
     "norm_rope_write": (pk.norm_rope_write, _write_shapes(), {"eps": 1e-6, "theta": 1e6}),
     "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
                             (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
@@ -418,6 +451,7 @@ LOWERINGS = {
     "qkv_norm_rope": (pk.qkv_norm_rope, (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF),
                                          S((2, 16), jnp.int32)),
                       {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
+    "combine_splits": (pk.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
     "fused_matmul_gated_split": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
@@ -480,6 +514,22 @@ def test_attention_block_rule():
     assert short_block.pages_per_block == 8
     a100 = pk_tuning.attention_blocks(batch=32, **{**shape, "limits": pk_tuning.GpuLimits(108, 164 * 1024)})
     assert (a100.pages_per_block, a100.num_splits, a100.num_stages) == (8, 1, 2)
+
+
+def test_split_merge_rule():
+    """The Pallas merge takes many splits (bs 1 on a 32k table: 16) or many partial rows (bs 8:
+    2 splits of 4096 rows); XLA keeps the small merges it fuses with their neighbours (bs 1 on a
+    short table: 3 splits of 512 rows; decode: 32 rows) and there is none without a split."""
+    shape = dict(q_len=16, group=4, head_dim=128, page_size=16, kv_heads=8, limits=pk_tuning.HOPPER)
+    merge = lambda **kw: (lambda b: (b.num_splits, b.pallas_merge))(  # noqa: E731
+        pk_tuning.attention_blocks(**{**shape, **kw}))
+    assert merge(batch=1, pages_per_seq=2048) == (16, True)
+    assert merge(batch=8, pages_per_seq=2048) == (2, True)
+    assert merge(batch=1, pages_per_seq=56) == (3, False)
+    assert merge(batch=1, pages_per_seq=56, q_len=1) == (3, False)
+    assert merge(batch=1, pages_per_seq=2048, q_len=1) == (33, True)
+    assert merge(batch=32, pages_per_seq=2048) == (1, False)
+    assert merge(batch=1, pages_per_seq=56, pallas_merge=True) == (3, True)
 
 
 class _Device:
@@ -645,6 +695,15 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
             jax.eval_shape(functools.partial(pk.fused_matmul, **kw), S((2, 64), BF), S((64, 32), BF))
     with pytest.raises(ValueError, match="at least one row"):
         jax.eval_shape(pk.fused_matmul, S((0, 64), BF), S((64, 32), BF))
+    o, lse = S((4, 2, 64), BF), S((4, 2), jnp.float32)
+    for shapes, kw, match in [((o, S((4, 3), jnp.float32)), {}, "lse .splits, .... with o's leading shape"),
+                              ((o, S((4, 2), BF)), {}, "lse must be float32"),
+                              ((S((4, 2, 48), BF), lse), {}, "head_dim must be a power of two"),
+                              ((o, lse), {"block_rows": 3}, "block_rows must be a power of two"),
+                              ((o, lse), {"num_warps": 3}, "num_warps"),
+                              ((S((4, 0, 64), BF), S((4, 0), jnp.float32)), {}, "at least one split and one row")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.combine_splits, **kw), *shapes)
     # a tile too large for shared memory is refused here, not by the GPU at launch
     with pytest.raises(ValueError, match="one stage of x and weight tiles .294912 B.* exceeds"):
         jax.eval_shape(functools.partial(pk.fused_matmul, block_k=512, block_n=128),
