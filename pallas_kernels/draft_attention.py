@@ -87,28 +87,25 @@ def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref
                          split=split, num_splits=num_splits, pages_per_block=pages_per_block,
                          scale=scale)
 
-    def attend_block(carry):
-        block = bk_ref.shape[0]
-        tile_k = max(16, next_power_of_2(block))
-        j = lax.broadcasted_iota(jnp.int32, (tile_k,), 0)
-        real = j < jnp.minimum(blen_ref[b], block)
-        mask = jnp.broadcast_to(real[:, None], (tile_k, head_dim))
-        k = plgpu.load(bk_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
-        v = plgpu.load(bv_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
-        visible = real[None, :]
-        distance = t[:, None] - j[None, :]
-        if causal:
-            visible = visible & (distance >= 0)
-        if sliding_window is not None:
-            visible = visible & (distance < sliding_window)
-            if not causal:
-                visible = visible & (-distance < sliding_window)
-        return softmax_step(carry, q, k, v, visible, scale)
-
-    if num_splits == 1:
-        carry = attend_block(carry)
-    else:
-        carry = lax.cond(split == num_splits - 1, attend_block, lambda c: c, carry)
+    # The block's own keys belong to the last split. Every program runs the step, the others with
+    # no key visible and their loads masked off: cheaper than branching on the split (H100,
+    # 2026-11-26: the 134 MB draft cells 0.6-0.7 µs faster per call than with lax.cond).
+    block = bk_ref.shape[0]
+    tile_k = max(16, next_power_of_2(block))
+    j = lax.broadcasted_iota(jnp.int32, (tile_k,), 0)
+    real = (j < jnp.minimum(blen_ref[b], block)) & (split == num_splits - 1)
+    mask = jnp.broadcast_to(real[:, None], (tile_k, head_dim))
+    k = plgpu.load(bk_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
+    v = plgpu.load(bv_ref.at[pl.ds(0, tile_k)], mask=mask, other=0)
+    visible = real[None, :]
+    distance = t[:, None] - j[None, :]
+    if causal:
+        visible = visible & (distance >= 0)
+    if sliding_window is not None:
+        visible = visible & (distance < sliding_window)
+        if not causal:
+            visible = visible & (-distance < sliding_window)
+    carry = softmax_step(carry, q, k, v, visible, scale)
     store_output(o_ref, lse_refs, carry, t0, block_t, q_len)
 
 
