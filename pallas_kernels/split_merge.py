@@ -26,9 +26,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tuning import check_launch, check_positive, is_power_of_2, next_power_of_2
 
-# Elements of o one program loads (every split of its rows at once): enough programs to cover
-# the SMs in the 134 MB cells (16 splits x 512 rows, 2 splits x 4096 rows, head_dim 128) while
-# each keeps its loads in flight together.
+# Elements of o one program loads (every split of its rows at once): 128 programs, about one per
+# SM, for Qwen3-8B verify and draft in the 134 MB cells (16 splits x 512 rows, 2 splits x 4096
+# rows, head_dim 128); decode at bs 1 (33 splits, padded to 64, of 32 rows) gets 32 one-row
+# programs. Loading 4096 or 16384 elements per program, or with 2 or 8 warps, was no faster
+# (H200, 2026-11-26).
 ELEMENTS_PER_PROGRAM = 8192
 
 
@@ -44,8 +46,9 @@ def combine_splits_reference(o: jax.Array, lse: jax.Array) -> jax.Array:
 def merge_block_rows(splits: int, rows: int, head_dim: int) -> int:
     """Rows per program: ``ELEMENTS_PER_PROGRAM`` elements of o over every split (padded to a
     power of two), a power of two between 1 and the rows rounded up."""
-    per_row = next_power_of_2(splits) * head_dim
-    return max(1, min(next_power_of_2(rows), next_power_of_2(ELEMENTS_PER_PROGRAM // per_row + 1) // 2))
+    fitting = ELEMENTS_PER_PROGRAM // (next_power_of_2(splits) * head_dim)
+    largest_power_of_2 = 1 << (fitting.bit_length() - 1) if fitting else 1
+    return min(next_power_of_2(rows), largest_power_of_2)
 
 
 def _combine_kernel(o_ref, lse_ref, out_ref, *, block_rows: int):
