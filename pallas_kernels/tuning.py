@@ -22,7 +22,13 @@ import functools
 
 import jax
 
-MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program
+MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program...
+# ...unless the page table is too short to give the GPU this many splits of two 128-token tiles
+# (bs 1-2 at contexts up to ~2k): then the KV tile halves to 64 tokens and a program may hold one.
+# In the model on an H200 (2026-11-26, two rounds): bs-1 decode 2.0-2.7% faster at ctx 512-1024,
+# the bs-1 DFlash step 1.1% and bs 2 0.9%; going further at ctx 2048 (9 -> 16 splits of 64-token
+# tiles) was 0.6-1.5% slower, so tables long enough for this many splits keep 128-token tiles.
+SHORT_TABLE_SPLITS = 8
 MAX_SPLITS = 64
 # A split context is merged by the Pallas ``combine_splits`` kernel from this many splits, or
 # from this many partial elements (splits x rows x head_dim), and by plain XLA below both. XLA
@@ -150,8 +156,9 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
 
     Rows per program are padded to at least 16 (the smallest tensor-core tile) and capped at 128
     (64 for f32 or head_dim > 128), or at the GQA group when that is larger; the KV tile is 128
-    tokens (64 for f32 or head_dim > 128, and for a full batch of 64-row programs, see below),
-    never under 16 and never less than one page. ``extra_smem_bytes``: shared memory a program
+    tokens (64 for f32 or head_dim > 128, for a full batch of 64-row programs, see below, and for
+    a page table too short to fill the GPU, ``SHORT_TABLE_SPLITS``), never under 16 and never
+    less than one page. ``extra_smem_bytes``: shared memory a program
     holds besides its query tile and KV stages (counted when choosing the stages; ValueError when
     not even one stage fits). ``limits``: the GPU's (default ``gpu_limits()``); where two stages
     of 128-token tiles do not fit its shared memory, the tile halves down to 64 tokens first.
@@ -177,14 +184,24 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     co_resident = (small and rows == 64 and page_size <= 64 and programs >= limits.num_sms and
                    2 * (3 * kv_64_stage + rows * head_dim * itemsize + extra_smem_bytes + 1024) <= limits.smem_per_sm)
     q_bytes = rows * head_dim * itemsize
+    wanted_splits = max(1, limits.num_sms * (2 if rows <= 16 or co_resident else 1) // programs)
+    min_tiles_per_split = MIN_TILES_PER_SPLIT
 
     def stage_bytes(pages: int) -> int:
         return 2 * pages * page_size * head_dim * itemsize
+
+    def splits_for(pages: int) -> int:
+        tiles = -(-pages_per_seq // pages)
+        return max(1, min(wanted_splits, tiles // min_tiles_per_split, MAX_SPLITS))
 
     fewest_pages = max(1, 16 // page_size)
     if pages_per_block is None:
         kv_tokens = 64 if co_resident or not small else 128
         pages_per_block = max(1, kv_tokens // page_size, fewest_pages)
+        # a short table (see SHORT_TABLE_SPLITS): 64-token tiles, one or more per split
+        if (num_splits is None and page_size <= 64 and pages_per_block * page_size > 64 and
+                splits_for(pages_per_block) < min(wanted_splits, SHORT_TABLE_SPLITS)):
+            pages_per_block, min_tiles_per_split = max(1, 64 // page_size), 1
         # a GPU with less shared memory than Hopper's (where the rule was measured): halve the
         # tile (to 64 tokens at least) until two stages fit, so loads still overlap compute
         while (limits.smem_per_sm < HOPPER.smem_per_sm and pages_per_block * page_size > 64 and
@@ -210,9 +227,7 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                          f"exceed the {budget} B of shared memory a program may use: take {smaller} "
                          "or a smaller block_t")
     if num_splits is None:
-        target = limits.num_sms * (2 if rows <= 16 or co_resident else 1)
-        tiles = -(-pages_per_seq // pages_per_block)
-        num_splits = max(1, min(target // programs, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+        num_splits = splits_for(pages_per_block)
     if num_warps is None:
         num_warps = 8 if rows >= 128 else 4
     if pallas_merge is None:

@@ -519,19 +519,38 @@ def test_attention_block_rule():
 
 
 def test_split_merge_rule():
-    """The Pallas merge takes many splits (bs 1 on a 32k table: 16) or many partial rows (bs 8:
-    2 splits of 4096 rows); XLA keeps the small merges it fuses with their neighbours (bs 1 on a
-    short table: 3 splits of 512 rows; decode: 32 rows) and there is none without a split."""
+    """The Pallas merge takes many splits (bs 1 on a 32k table: 16; on a short one: 14) or many
+    partial rows (bs 8: 2 splits of 4096 rows); XLA keeps the small merges it fuses with their
+    neighbours (3 splits of 512 rows; decode: 32 rows) and there is none without a split."""
     shape = dict(q_len=16, group=4, head_dim=128, page_size=16, kv_heads=8, limits=pk_tuning.HOPPER)
     merge = lambda **kw: (lambda b: (b.num_splits, b.pallas_merge))(  # noqa: E731
         pk_tuning.attention_blocks(**{**shape, **kw}))
     assert merge(batch=1, pages_per_seq=2048) == (16, True)
     assert merge(batch=8, pages_per_seq=2048) == (2, True)
-    assert merge(batch=1, pages_per_seq=56) == (3, False)
-    assert merge(batch=1, pages_per_seq=56, q_len=1) == (3, False)
+    assert merge(batch=1, pages_per_seq=56) == (14, True)
+    assert merge(batch=1, pages_per_seq=56, num_splits=3) == (3, False)
+    assert merge(batch=1, pages_per_seq=56, num_splits=3, q_len=1) == (3, False)
     assert merge(batch=1, pages_per_seq=2048, q_len=1) == (33, True)
     assert merge(batch=32, pages_per_seq=2048) == (1, False)
-    assert merge(batch=1, pages_per_seq=56, pallas_merge=True) == (3, True)
+    assert merge(batch=1, pages_per_seq=56, num_splits=3, pallas_merge=True) == (3, True)
+
+
+def test_short_table_rule():
+    """A page table too short for 8 splits of two 128-token tiles (bs 1-2 at contexts up to ~2k)
+    takes 64-token tiles, one or more per split; a longer table, an explicit split count, tiles
+    already of 64 tokens (f32) and a large batch keep the plain rule."""
+    shape = dict(q_len=16, group=4, head_dim=128, page_size=16, kv_heads=8, limits=pk_tuning.HOPPER)
+    blocks = lambda **kw: (lambda b: (b.pages_per_block * kw.get("page_size", 16), b.num_splits))(  # noqa: E731
+        pk_tuning.attention_blocks(**{**shape, **kw}))
+    assert blocks(batch=1, pages_per_seq=56) == (64, 14)  # 896 tokens: 3 splits of 128-token tiles before
+    assert blocks(batch=1, pages_per_seq=56, q_len=1) == (64, 14)
+    assert blocks(batch=2, pages_per_seq=56) == (64, 8)
+    assert blocks(batch=1, pages_per_seq=128) == (128, 8)  # 2048 tokens: 8 splits of two tiles
+    assert blocks(batch=1, pages_per_seq=56, num_splits=3) == (128, 3)
+    assert blocks(batch=1, pages_per_seq=56, itemsize=4) == (64, 7)
+    assert blocks(batch=8, pages_per_seq=56) == (128, 2)
+    assert blocks(batch=1, pages_per_seq=14, page_size=64) == (64, 14)
+    assert blocks(batch=1, pages_per_seq=7, page_size=128) == (128, 3)
 
 
 class _Device:
