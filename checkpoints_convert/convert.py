@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_jax import checkpoint
+from dflash_jax.cli import deferred_interrupts
 from dflash_jax.config import is_draft_config, read_config_json
 from dflash_jax.models import DTYPES
 
@@ -61,13 +62,14 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # OUT is complete from here on; the replaced folder, if an interrupt leaves it, is named by
-    # the warning above on the next run
+    # OUT is complete from here on: an interrupt waits for the replaced folder's removal (a second
+    # one leaves it, named by the warning above on the next run)
     if trash is not None:
-        if trash.is_dir() and not trash.is_symlink():
-            shutil.rmtree(trash)
-        else:
-            trash.unlink()
+        with deferred_interrupts(f"{out} is written; removing the folder it replaced"):
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash)
+            else:
+                trash.unlink()
 
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
@@ -123,7 +125,12 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
                               "target warns if they differ", stacklevel=2)
         if progress:
             print(f"writing {out} ...", file=sys.stderr, flush=True)
-        checkpoint.save_params(tmp, params)
+        # orbax writes from threads that outlive a KeyboardInterrupt in this one: let them finish
+        # before the partial output is removed
+        with deferred_interrupts("finishing the write of params/, then removing the partial output") as interrupted:
+            checkpoint.save_params(tmp, params)
+        if interrupted():
+            raise KeyboardInterrupt
         for name in ("config.json",) + SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)

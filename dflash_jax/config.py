@@ -47,7 +47,14 @@ def int_list(raw: dict, name: str, where: str, default: Any = _REQUIRED) -> Any:
 
 
 def _rope_theta(raw: dict, where: str) -> float:
-    params = _field(raw, "rope_parameters", where, dict, None) or _field(raw, "rope_scaling", where, dict, None) or {}
+    params = _field(raw, "rope_parameters", where, dict, None)
+    scaling = _field(raw, "rope_scaling", where, dict, None)
+    if params and scaling and scaling != params:
+        # transformers 5 lets rope_scaling replace rope_parameters (Qwen3's long-context recipe
+        # adds a YaRN rope_scaling to such configs): refuse rather than pick a different RoPE
+        raise ConfigError(f"{where}: rope_parameters {params} and rope_scaling {scaling} disagree "
+                          "(transformers would use rope_scaling): keep one of them")
+    params = params or scaling or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
         raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only default RoPE)")
@@ -242,6 +249,10 @@ class DraftConfig:
         kind = raw["speculators_model_type"]
         if kind != "dflash":
             raise ConfigError(f"{where}: speculators_model_type '{kind}' is not a DFlash draft")
+        if _field(raw, "sample_from_anchor", where, bool, False):
+            # its block slot k predicts token t+k+1 rather than t+k: every proposal would miss
+            raise ConfigError(f"{where}: sample_from_anchor=true drafts (slot k predicts the token after "
+                              "the usual one) are not supported")
         layer_raw = dict(_field(raw, "transformer_layer_config", where, dict))
         # Some exporters put the layers' attention kinds at the top level instead.
         for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):

@@ -191,7 +191,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     produced = jnp.minimum(accepted + 1, remaining)
     stops = _is_stop(emitted, state.stop_tokens) & (slots < produced[:, None])
     hit_stop = jnp.any(stops, axis=1)
-    produced = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, produced)
+    produced = jnp.where(hit_stop, jnp.argmax(stops, axis=1).astype(jnp.int32) + 1, produced)
     produced = jnp.where(active, produced, 0)
 
     # Writes at and past num_generated / steps land in scratch slots: finished rows need no mask.

@@ -75,8 +75,8 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
 def embed_block(config: DraftConfig, target: TargetParams, block: jax.Array) -> jax.Array:
     """Block tokens [B, T] through the target's embedding (x input_embedding_scale)."""
     x = target.embed[block]
-    if config.input_embedding_scale != 1.0:
-        x = x * jnp.asarray(config.input_embedding_scale, x.dtype)
+    if config.input_embedding_scale != 1.0:  # in f32, then rounded: as torch scales bf16 by a float
+        x = (x.astype(jnp.float32) * config.input_embedding_scale).astype(x.dtype)
     return x
 
 

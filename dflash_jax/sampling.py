@@ -109,7 +109,7 @@ def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arr
 def leading_run(ok: jax.Array) -> jax.Array:
     """Length [...] of the leading run of True along the last axis of ok [..., T]: the drafts
     accepted."""
-    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
 
 
 def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array,

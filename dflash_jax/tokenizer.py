@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -32,6 +34,10 @@ class Tokenizer:
         self.config = read_json(config_path) if config_path.is_file() else {}
         if not isinstance(self.config, dict):
             raise ValueError(f"{config_path} is not a JSON object")
+        map_path = directory / "special_tokens_map.json"
+        self.special_tokens_map = read_json(map_path) if map_path.is_file() else {}
+        if not isinstance(self.special_tokens_map, dict):
+            raise ValueError(f"{map_path} is not a JSON object")
         self.stop_token_ids = self._stop_tokens(directory)
 
     def _stop_tokens(self, directory: Path) -> list[int]:
@@ -43,10 +49,9 @@ class Tokenizer:
             if path.is_file():
                 raw = read_json(path)
                 ids += int_list(raw, "eos_token_id", str(path), ()) if isinstance(raw, dict) else ()
-        special_map = directory / "special_tokens_map.json"
         for path, config in ((directory / "tokenizer_config.json", self.config),
-                             (special_map, read_json(special_map) if special_map.is_file() else {})):
-            token = config.get("eos_token") if isinstance(config, dict) else None
+                             (directory / "special_tokens_map.json", self.special_tokens_map)):
+            token = config.get("eos_token")
             if isinstance(token, dict):
                 token = token.get("content")
             if token is None:
@@ -91,11 +96,13 @@ class Tokenizer:
             if "enable_thinking" not in template:
                 raise ValueError(f"{self.directory}: the chat template has no enable_thinking switch")
             switches["enable_thinking"] = enable_thinking
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
-        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
+        # bos_token, eos_token, ...: tokenizer_config.json's over special_tokens_map.json's, as in transformers
+        special = {k: (v.get("content") if isinstance(v, dict) else v)
+                   for k, v in {**self.special_tokens_map, **self.config}.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
         try:
             return env.from_string(template).render(
@@ -103,6 +110,17 @@ class Tokenizer:
                 **special, **switches)
         except jinja2.TemplateError as error:
             raise ValueError(f"{self.directory}: chat template failed: {error}") from error
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's text for
+    training masks): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def check_messages(messages) -> None:

@@ -271,6 +271,33 @@ def test_cli_kill_leaves_nothing_and_stale_folders_are_named(target, monkeypatch
         assert main([str(target), str(target.parent / "out"), "--quiet"]) == 0
 
 
+def test_cli_kill_waits_for_the_params_writers(target, monkeypatch, capsys):
+    """orbax writes params/ from threads a KeyboardInterrupt does not stop: a kill during the save
+    lets them finish before the partial output is removed, so nothing is left behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from checkpoints_convert.__main__ import main
+
+    def save_from_a_thread(directory, params):
+        def write():
+            time.sleep(0.3)
+            (directory / "params").mkdir()
+            (directory / "params" / "late").write_text("written after the signal")
+        writer = threading.Thread(target=write)
+        writer.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        writer.join()  # as orbax's Checkpointer waits for its writes on exit
+
+    monkeypatch.setattr(checkpoint, "save_params", save_from_a_thread)
+    assert main([str(target), str(target.parent / "out"), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "finishing the write of params/" in err and "interrupted: nothing was written" in err
+    assert _only(target.parent) == ["hf"]
+
+
 def test_damaged_converted_folder_is_named(target):
     import shutil
 

@@ -187,6 +187,26 @@ def test_tokenizer_side_file_forms(tmp_path):
     assert tokenizer.stop_token_ids == [0]
 
 
+def test_chat_template_generation_tag_and_special_tokens_map(tmp_path):
+    """As transformers renders them: {% generation %} (assistant-only-loss templates) renders its
+    body, and special tokens named only in special_tokens_map.json reach the template
+    (tokenizer_config.json's win where both name one)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dflash_jax.tokenizer import Tokenizer
+
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {% if m.role == 'assistant' %}"
+                "{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content }}"
+                "{% endif %}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": template, "eos_token": "</s>"}),
+                               special_tokens_map='{"bos_token": {"content": "<s>"}, "eos_token": "<eos>"}')
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    ours = Tokenizer(folder).apply_chat_template(chat)
+    theirs, _ = render_jinja_template(conversations=[chat], chat_template=template, add_generation_prompt=True,
+                                      bos_token="<s>", eos_token="</s>")
+    assert ours == theirs[0] and ours.startswith("<s>[user] hi") and "[assistant] yo</s>" in ours
+
+
 def test_tokenizer_stop_tokens_from_special_tokens_map_and_unknown_eos(tmp_path):
     """special_tokens_map.json's eos_token stops generation (transformers reads it); an eos_token
     outside the vocabulary is named in a warning, not dropped silently."""

@@ -122,6 +122,17 @@ def test_missing_rope_theta_is_named():
         ModelConfig.from_hf(raw)
 
 
+def test_rope_scaling_beside_rope_parameters():
+    """transformers 5 takes rope_scaling over rope_parameters: a config holding both, different
+    (a YaRN block added to a saved Qwen3 config), is refused; the same dict twice is fine."""
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    assert ModelConfig.from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=dict(rope))).rope_theta == 5e5
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    for scaling in (yarn, {"rope_type": "default"}):
+        with pytest.raises(ConfigError, match="rope_parameters .* and rope_scaling .* disagree"):
+            ModelConfig.from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=scaling))
+
+
 @pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
 @pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic", "llama3"])
 def test_unsupported_rope_type(where, rope_type):
@@ -266,6 +277,14 @@ def test_zlab_draft_errors(edit, message):
 def test_wrongly_typed_draft_field_is_named(make, message):
     with pytest.raises(ConfigError, match=message):
         DraftConfig.from_hf(make())
+
+
+def test_speculators_sample_from_anchor_is_refused():
+    """Such a draft's slot k predicts token t+k+1: loaded as an ordinary one it would propose
+    every token one position off (lossless, but nearly nothing accepted)."""
+    assert DraftConfig.from_hf(speculators_raw(sample_from_anchor=False)) == DraftConfig.from_hf(speculators_raw())
+    with pytest.raises(ConfigError, match="sample_from_anchor=true"):
+        DraftConfig.from_hf(speculators_raw(sample_from_anchor=True))
 
 
 def test_speculators_draft_config(tmp_path):

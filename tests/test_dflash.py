@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -198,6 +199,33 @@ def test_steps_per_check_changes_nothing_but_speed(spec_pair, baseline):
     with pytest.raises(ValueError, match="steps_per_check"):
         generate(pair.target, prompts, draft=pair.draft, max_new_tokens=MAX_NEW, impl="reference",
                  chunk_steps=6, steps_per_check=4)
+
+
+def test_embedding_scale_rounds_as_torch_does(spec_pair):
+    """bf16 embeddings times input_embedding_scale: the product of the bf16 values and the f32
+    scale, rounded once (the reference multiplies a bf16 tensor by a Python float), not the
+    product with the scale rounded to bf16 first (which differs in about a third of entries)."""
+    import types
+    config = dataclasses.replace(spec_pair.draft.config, input_embedding_scale=50.596)
+    embed = jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.bfloat16)
+    block = jnp.arange(64).reshape(4, 16)
+    ours = draft_model.embed_block(config, types.SimpleNamespace(embed=embed), block)
+    theirs = torch.from_numpy(np.asarray(embed[block], np.float32)).to(torch.bfloat16) * 50.596
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), theirs.float().numpy())
+
+
+def test_64_bit_mode(spec_pair, baseline):
+    """With jax's 64-bit mode on (JAX_ENABLE_X64), the loop's integers stay int32: greedy
+    DFlash still equals the target's greedy output (stops included), and sampling runs."""
+    pair = spec_pair
+    prompts, expected = baseline
+    with jax.enable_x64(True):
+        out = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=MAX_NEW,
+                       stop_token_ids=[[expected[1][6]]] * len(prompts), impl="reference")
+        sampled = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=8, impl="reference",
+                           sampling=SamplingConfig(temperature=0.8, top_p=0.9, top_k=20))
+    assert out.tokens == [_truncate(t, MAX_NEW, [expected[1][6]]) for t in expected]
+    assert all(len(t) == 8 for t in sampled.tokens)
 
 
 def test_draft_sees_only_the_real_block_near_max_new(spec_pair, monkeypatch):
