@@ -249,13 +249,29 @@ def anchor_positions(loss_mask):
     return loss_mask[:, :-1] & loss_mask[:, 1:]
 
 
-def check_anchorable(rows: TokenRows) -> None:
-    """ValueError when no row has an anchor position: every block would be empty, and training
-    would run on a zero loss."""
-    if not anchor_positions(rows.loss_mask).any():
+def check_token_ids(rows: TokenRows, vocab_size: int, where: str) -> None:
+    """ValueError unless every token id of ``rows`` is in [0, vocab_size): an embedding lookup
+    would clamp or wrap a stray id and train on it without a word."""
+    if rows.tokens.size and (rows.tokens.min() < 0 or rows.tokens.max() >= vocab_size):
+        raise ValueError(f"{where}: token ids span [{rows.tokens.min()}, {rows.tokens.max()}], outside the "
+                         f"target's vocabulary [0, {vocab_size}) (made with another tokenizer?)")
+
+
+def trainable_rows(rows: TokenRows, vocab_size: int, where: str = "the training rows") -> TokenRows:
+    """The rows with at least one anchor position, their ids checked (``check_token_ids``). A row
+    without one would train on a zero loss while the optimizer still steps (a warning counts
+    them); ValueError when no row has one."""
+    check_token_ids(rows, vocab_size, where)
+    anchorable = anchor_positions(rows.loss_mask).any(axis=1)
+    if not anchorable.any():
         raise ValueError(f"nothing to train on: no row of the {len(rows)} training rows has two consecutive "
                          f"supervised tokens ({int(rows.loss_mask.sum())} supervised in all), so no block "
                          "can be anchored")
+    if not anchorable.all():
+        warnings.warn(f"{where}: {int((~anchorable).sum())} of {len(rows)} rows have no two consecutive supervised "
+                      "tokens (no block can be anchored there) and are left out", stacklevel=2)
+        rows = TokenRows(rows.tokens[anchorable], rows.loss_mask[anchorable])
+    return rows
 
 
 def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> jax.Array:

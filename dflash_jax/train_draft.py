@@ -41,8 +41,8 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, interrupt_exits, one_line_warnings, positive_float, random_seed,
-                            reported_as_errors)
+from dflash_jax.cli import (at_least, interrupt_exits, non_negative_float, one_line_warnings, positive_float,
+                            random_seed, reported_as_errors)
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -93,8 +93,9 @@ def find_mask_token(target_dir: str | Path, vocab_size: int) -> int:
     for name in (data.MASK_TOKEN, "<|MASK|>"):
         if tokenizer.token_to_id(name) is not None:
             return tokenizer.token_to_id(name)
-    if tokenizer.get_vocab_size() < vocab_size:
-        return tokenizer.get_vocab_size()
+    first_free = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if first_free < vocab_size:  # past the largest id: a tokenizer's ids may leave gaps
+        return first_free
     raise ValueError(f"{target_dir}: the tokenizer has no <|mask|> token and fills the vocabulary; "
                      "pass --mask-token-id")
 
@@ -261,7 +262,7 @@ def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft
     ``out_dir`` (a non-empty one only when resuming from checkpoints or with ``overwrite``) and
     return it as loaded (f32 training params). ``data_record`` describes the rows for resuming
     (default: their shape)."""
-    data.check_anchorable(rows)
+    rows = data.trainable_rows(rows, target.config.vocab_size)
     data_record = {"rows": len(rows), "seq_len": rows.seq_len} if data_record is None else data_record
     ckpt_dir = open_draft_run(target.config, target.path, out_dir, draft_config, train, data_record,
                               ckpt_dir=ckpt_dir, resume=resume, overwrite=overwrite)
@@ -458,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
                                "turn), as generate --chat does: the draft then learns the target's chat answers")
     parser.add_argument("--prompt-len", type=at_least(1), default=64,
                         help="prompt tokens for --regenerate/--eval-prompts")
-    parser.add_argument("--regen-temperature", type=float, default=0.0)
+    parser.add_argument("--regen-temperature", type=non_negative_float, default=0.0,
+                        help="--regenerate's sampling temperature (0: greedy)")
     parser.add_argument("--regen-batch", type=at_least(1), default=256)
     parser.add_argument("--save-data", default=None, help="write the training rows to this .npz token file")
     parser.add_argument("--num-layers", type=at_least(1), default=2)
@@ -571,6 +573,7 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
         if rows.seq_len != args.seq_len:
             raise ValueError(f"--data {path} holds rows of {rows.seq_len} tokens, not --seq-len {args.seq_len}: "
                              f"pass --seq-len {rows.seq_len}")
+        data.check_token_ids(rows, target_config.vocab_size, f"--data {path}")
     train = DraftTrainConfig(optim=OptimConfig(steps=args.steps, lr=args.lr), num_anchors=args.anchors,
                              batch_size=args.batch, gamma=args.gamma, seed=args.seed,
                              compute_dtype=args.dtype, save_every=args.save_every, time_budget=args.time_budget)
@@ -633,8 +636,7 @@ def _training_rows(args, target: Target, tokenizer, eos_id: int | None, token_fi
             batch_size=args.regen_batch, pad_id=pad_id, seed=args.seed)))
     elif documents:
         parts.append(data.pack_stream(documents, args.seq_len, name=f"the {len(texts)} text files of --data"))
-    rows = data.concat_rows(parts)
-    data.check_anchorable(rows)
+    rows = data.trainable_rows(data.concat_rows(parts), target.config.vocab_size)
     if args.save_data:
         data.save_token_file(args.save_data, rows)
         print(f"train_draft: wrote the training rows to {args.save_data}")

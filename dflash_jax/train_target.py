@@ -293,11 +293,12 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                     history[-1].update(evaluate(state.params))
                     bar.write(f"{desc} step {step}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
-                if step % save_every == 0 or step == total or interrupted():
+                stop = interrupted()  # read once: a signal between two reads would skip the save
+                if step % save_every == 0 or step == total or stop:
                     log_pending()
                     write_json(ckpt_dir / LOG_FILE, history)  # first: a resume drops steps past its checkpoint
                     manager.save(step, args=ocp.args.StandardSave(state))
-                if interrupted() and step < total:
+                if stop:  # at the last step too: the export and evaluation are left to --resume
                     manager.wait_until_finished()
                     bar.write(f"{desc}: interrupted at step {step} of {total}; checkpoint saved in {ckpt_dir}: "
                               "--resume continues the run")

@@ -325,6 +325,14 @@ def test_first_interrupt_ends_training_after_the_step_with_a_checkpoint(tmp_path
     assert [h["step"] for h in json.loads((tmp_path / "train_log.json").read_text())] == list(range(1, 8))
     state, history = train_target.run_training(state, step_fn, lambda step: (), resume=True, **common)
     assert int(state.step) == 20 and [h["step"] for h in history] == list(range(1, 21))
+    # during the last step: saved, and still an interrupt (the caller's export and evaluation wait for --resume)
+    last = tmp_path / "last"
+    train_target.claim_run_folders(last, last / "out", {}, resume=False, overwrite=False)
+    state = state.replace(step=jnp.zeros((), jnp.int32))
+    with pytest.raises(KeyboardInterrupt):
+        train_target.run_training(state, lambda s, lr: step_fn(s, lr, signal_at=19), lambda step: (),
+                                  resume=False, **{**common, "ckpt_dir": last})
+    assert train_target.saved_steps(last) == [10, 20]
 
 
 def test_draft_cli_rejects_contradictory_options(capsys):
@@ -341,6 +349,7 @@ def test_draft_cli_rejects_contradictory_options(capsys):
     *((train_draft.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--anchors", "--num-layers",
                                                   "--regen-batch", "--regenerate", "--gamma", "--time-budget")),
     (train_draft.main, "--steps", "-3"), (train_draft.main, "--gamma", "nan"), (train_draft.main, "--seq-len", "1"),
+    (train_draft.main, "--regen-temperature", "-1"), (train_draft.main, "--regen-temperature", "nan"),
     *((train_target.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--kv-heads", "--time-budget")),
     (train_target.main, "--seq-len", "1"), (train_target.main, "--steps", "many"),
     *((main, "--seed", value) for main in (train_draft.main, train_target.main) for value in ("-1", str(2**32))),
@@ -370,7 +379,37 @@ def test_draft_data_is_checked_before_the_target_loads(trained, tmp_path, monkey
         assert message in cli_error(train_draft.main, base + ["--data", *data_args], capsys)
     assert not (tmp_path / "draft.ckpt").exists()
     with pytest.raises(ValueError, match="no row of the 3 training rows has two consecutive supervised tokens"):
-        data.check_anchorable(rows)
+        data.trainable_rows(rows, vocab_size=8)
+    data.save_token_file(tmp_path / "foreign.npz", data.TokenRows(np.full((3, 8), 500, np.int32), np.ones((3, 8), bool)))
+    assert (f"--data {tmp_path / 'foreign.npz'}: token ids span [500, 500], outside the target's vocabulary"
+            in cli_error(train_draft.main, base + ["--data", str(tmp_path / "foreign.npz")], capsys))
+    assert not (tmp_path / "draft.ckpt").exists()
+
+
+def test_mask_token_is_past_the_largest_tokenizer_id(tmp_path):
+    """Without a <|mask|> token the mask id is the first past the tokenizer's largest id, not its
+    token count: ids may leave gaps (here 3), and 4 is a real token."""
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2, "c": 4}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    assert train_draft.find_mask_token(tmp_path, vocab_size=8) == 5
+    with pytest.raises(ValueError, match="fills the vocabulary; pass --mask-token-id"):
+        train_draft.find_mask_token(tmp_path, vocab_size=5)
+
+
+def test_rows_without_an_anchor_are_left_out():
+    """A row with no two consecutive supervised tokens (a regenerated answer of one token) would
+    train on a zero loss while AdamW still steps: it is dropped, with a warning; negative ids and
+    ids past the vocabulary are refused."""
+    mask = np.ones((3, 8), bool)
+    mask[1] = [True, False] * 4
+    rows = data.TokenRows(np.arange(24, dtype=np.int32).reshape(3, 8), mask)
+    with pytest.warns(UserWarning, match="1 of 3 rows have no two consecutive supervised tokens"):
+        kept = data.trainable_rows(rows, vocab_size=24)
+    np.testing.assert_array_equal(kept.tokens, rows.tokens[[0, 2]])
+    for tokens in (rows.tokens - 1, rows.tokens + 1):
+        with pytest.raises(ValueError, match=r"token ids span \[-?\d+, \d+\], outside the target's vocabulary \[0, 24\)"):
+            data.trainable_rows(data.TokenRows(tokens, mask), vocab_size=24)
 
 
 def test_small_corpus_folders_hold_out_one_file(tmp_path):
