@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +22,11 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import one_line_warnings
-from dflash_jax.config import load_draft_config, load_target_config
+from dflash_jax.cli import interrupt_exits, one_line_warnings
+from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
-from dflash_jax.models import Draft, Target, load_draft, load_target
+from dflash_jax.models import DTYPES, Draft, Target, load_draft, load_target
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import (TextStream, Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
                                   render_prompts)
@@ -149,6 +150,7 @@ class PreparedGeneration:
     page_size: int
     prefill_fn: Callable
     chunk_fn: Callable
+    cache_fn: Callable             # new_cache, compiled: the timed prefill compiles nothing
     compile_seconds: float
 
     def new_cache(self):
@@ -160,7 +162,7 @@ class PreparedGeneration:
 
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
-        return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
+        return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.cache_fn(),
                                jax.random.key(seed), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | None = None) -> DecodeState:
@@ -180,6 +182,9 @@ class PreparedGeneration:
         start = time.perf_counter()
         state = jax.block_until_ready(self.prefill(seed))
         prefill_seconds = time.perf_counter() - start
+        if on_chunk is not None:  # the prefill's token: streamed text starts at the time to first token
+            counts, out = jax.device_get((state.num_generated, state.tokens))
+            on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
         start = time.perf_counter()
         while True:
             state = self.chunk(state, replay_alpha)
@@ -200,6 +205,30 @@ class PreparedGeneration:
         return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
 
 
+def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],
+                  max_new_tokens: int | Sequence[int]) -> list[int]:
+    """Each row's max_new_tokens, after checking that the prompts are non-empty token ids of the
+    target's vocabulary and fit its positions with their new tokens (ValueError naming the
+    prompt); needs only the target's config, so a CLI can check before loading weights."""
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty")
+    vocab, limit = config.vocab_size, config.max_position_embeddings
+    max_new = [int(n) for n in _per_sequence(max_new_tokens, len(prompts), "max_new_tokens")]
+    if min(max_new) < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    for i, (prompt, m) in enumerate(zip(prompts, max_new)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+        n = len(prompt)
+        if n + m > limit:
+            fits = f"at most {limit - n} new tokens fit after it" if n < limit else "the prompt alone is too long"
+            raise ValueError(f"prompt {i} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
+                             f"more than the target's max_position_embeddings {limit} ({fits})")
+    return max_new
+
+
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -212,17 +241,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch = len(prompts)
-    if batch == 0:
-        raise ValueError("prompts is empty")
-    vocab = target.config.vocab_size
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
-    max_new = [int(n) for n in _per_sequence(max_new_tokens, batch, "max_new_tokens")]
-    if min(max_new) < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    max_new = check_prompts(target.config, prompts, max_new_tokens)
     if draft is not None:
         draft.config.check_target(target.config)
         if draft.params.fc.dtype != target.params.embed.dtype:
@@ -237,13 +256,6 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     configs = [target.config] + ([draft.config.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size, target.params.embed.dtype.itemsize)
     lens = [len(p) for p in prompts]
-    limit = target.config.max_position_embeddings
-    for i, (n, m) in enumerate(zip(lens, max_new)):
-        if n + m > limit:
-            fits = (f"at most {limit - n} new tokens fit after it" if n < limit
-                    else "the prompt alone is too long")
-            raise ValueError(f"prompt {i} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
-                             f"more than the target's max_position_embeddings {limit} ({fits})")
     padded_len = _round_up(_bucket(max(lens)), page_size)
     # Pages for every position a sequence may write: its prompt and its last block. The prefill
     # runs every row padded to the longest prompt; padding positions past a row's pages map to
@@ -272,11 +284,12 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, sampling.as_arrays(), page_table, num_pages,
-                                  page_size, None, None, 0.0)
+                                  page_size, None, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
     check_cache_fits(cache_shape)
     args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)
     start = time.perf_counter()
+    prepared.cache_fn = jax.jit(prepared.new_cache).lower().compile()
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
@@ -299,7 +312,8 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
     With ``draft`` it runs DFlash speculative decoding (block size = the draft's unless
     ``block_size`` is given); without, plain autoregressive decoding. Greedy output is the same
     either way. ``max_new_tokens`` and ``stop_token_ids`` may be per sequence. ``on_chunk``
-    receives the tokens so far after every ``chunk_steps`` steps (streaming); inside a chunk the
+    receives the tokens so far after the prefill (each row's first token) and after every
+    ``chunk_steps`` steps (streaming); inside a chunk the
     loop looks for finished rows every ``steps_per_check`` steps (``decode.default_steps_per_check``;
     the output is the same for any value, only speed changes). ``impl`` picks
     attention kernels or references (see dflash_jax.attention). ``accept_replay`` is a
@@ -369,6 +383,8 @@ def _check_flags(args, draft_dir) -> None:
             raise IsADirectoryError(f"--stats-json {args.stats_json} is a folder: give a file name")
         if not Path(args.stats_json).parent.is_dir():
             raise FileNotFoundError(f"--stats-json {args.stats_json}: its folder does not exist")
+        if not os.access(Path(args.stats_json).parent, os.W_OK):
+            raise PermissionError(f"--stats-json {args.stats_json}: its folder is not writable")
 
 
 @contextlib.contextmanager
@@ -449,6 +465,7 @@ def _first_difference(ours: list[list[int]], base: list[list[int]]) -> str:
 
 
 @one_line_warnings()
+@interrupt_exits()
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     target_dir, draft_dir = args.target, args.draft
@@ -482,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = Tokenizer(target_dir)
         texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
         prompts = [tokenizer.encode(t) for t in texts]
+        check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
+        block = (args.block_size or draft_config.block_size) if draft_dir else 1
+        check_kernel_shapes(args.impl, [target_config] + ([draft_config.model] if draft_dir else []),
+                            args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
         target = load_target(target_dir, args.dtype, progress=True)
         draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None
     except (OSError, ValueError) as error:
@@ -542,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["plain"] = base.stats.summary()
         summary["speedup"] = speedup
     if args.stats_json:
-        Path(args.stats_json).write_text(json.dumps(summary, indent=2, allow_nan=False))
+        try:
+            Path(args.stats_json).write_text(json.dumps(summary, indent=2, allow_nan=False))
+        except OSError as error:  # the statistics are on stderr above
+            print(f"error: --stats-json: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import jax
 import pytest
 import torch
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
@@ -301,12 +303,19 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--batch-file", "{chat_jsonl}"], 'holds "messages" chats: add --chat to render them'),
     (["--batch-file", "{bad_chat}"], 'bad_chat.jsonl:1: each chat message must be an object with "role" and '
                                      '"content" strings'),
+    (["--max-new-tokens", "1000000"], "more than the target's max_position_embeddings"),
+    (["--impl", "pallas"], "attention impl 'pallas' cannot run here"),
 ], ids=["chat", "jsonl", "empty", "blank-jsonl", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
         "stats-json-folder", "steps-per-check", "upper-case-jsonl", "swapped", "target-as-draft", "prompt-and-file",
-        "system-without-chat", "thinking-without-chat", "messages-without-chat", "bad-messages"])
-def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
+        "system-without-chat", "thinking-without-chat", "messages-without-chat", "bad-messages", "too-long",
+        "pallas-on-cpu"])
+def test_cli_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, args, message):
     """Input errors on the embedded default model (which has no chat template), before any weights load."""
     from dflash_jax import generate
+
+    if jax.default_backend() != "cpu" and "pallas" in args:
+        pytest.skip("the kernels run on this GPU")
+    monkeypatch.setattr(generate, "load_target", lambda *a, **k: pytest.fail("the weights were loaded"))
 
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def a"}\n{"text": "def b"}\n')
     (tmp_path / "empty.txt").write_text("\n \n")
@@ -321,6 +330,24 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     assert generate.main([arg.format(**paths) for arg in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkeypatch, capsys):
+    """A --stats-json that cannot be written after the run is one error line (the statistics are
+    on stderr already); Ctrl-C ends the CLI with status 130 and one line, not a traceback."""
+    from dflash_jax import generate
+
+    target_dir, draft_dir = model_dirs
+    base = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "4"]
+    real_write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+                        if self.name == "stats.json" else real_write(self, *a, **k))
+    assert generate.main(base + ["--stats-json", str(tmp_path / "stats.json")]) == 1
+    assert capsys.readouterr().err.endswith("error: --stats-json: disk full\n")
+    monkeypatch.setattr(generate, "prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as stop:
+        generate.main(base)
+    assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
 
 
 def test_batch_file_lines_end_at_newlines_only(tmp_path):

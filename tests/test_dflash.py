@@ -177,8 +177,9 @@ def test_stop_lists_first_token_stop_and_streaming(spec_pair, baseline):
     assert out.tokens[0] == [expected[0][0]] and out.stats.accept_lengths[0] == []
     assert out.stats.finish_reasons[0] == "stop" and out.stats.finish_reasons[3] == "length"
     assert out.stats.summary()["finish_reasons"] == out.stats.finish_reasons
-    # streaming: every chunk extends the previous one, the last equals the result
-    assert len(chunks) >= 2
+    # streaming: the prefill's token first, then every chunk extends the previous one, the last
+    # equals the result
+    assert chunks[0] == [t[:1] for t in out.tokens] and len(chunks) >= 3
     for earlier, later in zip(chunks, chunks[1:]):
         for a, b in zip(earlier, later):
             assert b[:len(a)] == a
