@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -132,6 +133,13 @@ def _bucket(n: int, per_doubling: int = 8) -> int:
     return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _zeroed_cache(page_table, groups, num_pages: int, page_size: int, dtype) -> PagedKVCache:
+    """``init_cache`` compiled once per shape (``prepare`` compiles it with the rest), so timing a
+    prefill times no compilation; groups: ((config, num_layers), ...), target first."""
+    return init_cache(list(groups), page_table, num_pages, page_size, dtype)
+
+
 @dataclasses.dataclass
 class PreparedGeneration:
     """A batch ready to run: compiled prefill and decode chunk, and everything they take.
@@ -150,19 +158,22 @@ class PreparedGeneration:
     page_size: int
     prefill_fn: Callable
     chunk_fn: Callable
-    cache_fn: Callable             # new_cache, compiled: the timed prefill compiles nothing
     compile_seconds: float
 
-    def new_cache(self):
-        groups = [(self.config.target, self.config.target.num_layers)]
+    def cache_args(self) -> tuple:
+        """``_zeroed_cache``'s arguments for this batch."""
+        groups = ((self.config.target, self.config.target.num_layers),)
         if self.config.draft is not None:
-            groups.append((self.config.draft.model, self.config.draft.model.num_layers))
-        return init_cache(groups, self.page_table, self.num_pages, self.page_size,
-                          self.target.params.embed.dtype)
+            groups += ((self.config.draft.model, self.config.draft.model.num_layers),)
+        return (jnp.asarray(self.page_table, jnp.int32), groups, self.num_pages, self.page_size,
+                self.target.params.embed.dtype)
+
+    def new_cache(self) -> PagedKVCache:
+        return _zeroed_cache(*self.cache_args())
 
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
-        return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.cache_fn(),
+        return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
                                jax.random.key(seed), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | None = None) -> DecodeState:
@@ -284,12 +295,12 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, sampling.as_arrays(), page_table, num_pages,
-                                  page_size, None, None, None, 0.0)
+                                  page_size, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
     check_cache_fits(cache_shape)
     args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)
     start = time.perf_counter()
-    prepared.cache_fn = jax.jit(prepared.new_cache).lower().compile()
+    _zeroed_cache.lower(*prepared.cache_args()).compile()  # jit's cache keeps it for new_cache
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
