@@ -160,7 +160,7 @@ class PreparedGeneration:
     chunk_fn: Callable
     compile_seconds: float
 
-    def cache_args(self) -> tuple:
+    def _cache_args(self) -> tuple:
         """``_zeroed_cache``'s arguments for this batch."""
         groups = ((self.config.target, self.config.target.num_layers),)
         if self.config.draft is not None:
@@ -169,7 +169,7 @@ class PreparedGeneration:
                 self.target.params.embed.dtype)
 
     def new_cache(self) -> PagedKVCache:
-        return _zeroed_cache(*self.cache_args())
+        return _zeroed_cache(*self._cache_args())
 
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
@@ -300,7 +300,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     check_cache_fits(cache_shape)
     args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)
     start = time.perf_counter()
-    _zeroed_cache.lower(*prepared.cache_args()).compile()  # jit's cache keeps it for new_cache
+    _zeroed_cache.lower(*prepared._cache_args()).compile()  # jit's cache keeps it for new_cache
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None

@@ -190,9 +190,9 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
     def stage_bytes(pages: int) -> int:
         return 2 * pages * page_size * head_dim * itemsize
 
-    def splits_for(pages: int) -> int:
+    def splits_for(pages: int, min_tiles: int) -> int:
         tiles = -(-pages_per_seq // pages)
-        return max(1, min(wanted_splits, tiles // min_tiles_per_split, MAX_SPLITS))
+        return max(1, min(wanted_splits, tiles // min_tiles, MAX_SPLITS))
 
     fewest_pages = max(1, 16 // page_size)
     if pages_per_block is None:
@@ -200,7 +200,7 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
         pages_per_block = max(1, kv_tokens // page_size, fewest_pages)
         # a short table (see SHORT_TABLE_SPLITS): 64-token tiles, one or more per split
         if (num_splits is None and page_size <= 64 and pages_per_block * page_size > 64 and
-                splits_for(pages_per_block) < min(wanted_splits, SHORT_TABLE_SPLITS)):
+                splits_for(pages_per_block, MIN_TILES_PER_SPLIT) < min(wanted_splits, SHORT_TABLE_SPLITS)):
             pages_per_block, min_tiles_per_split = max(1, 64 // page_size), 1
         # a GPU with less shared memory than Hopper's (where the rule was measured): halve the
         # tile (to 64 tokens at least) until two stages fit, so loads still overlap compute
@@ -227,7 +227,7 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                          f"exceed the {budget} B of shared memory a program may use: take {smaller} "
                          "or a smaller block_t")
     if num_splits is None:
-        num_splits = splits_for(pages_per_block)
+        num_splits = splits_for(pages_per_block, min_tiles_per_split)
     if num_warps is None:
         num_warps = 8 if rows >= 128 else 4
     if pallas_merge is None:
