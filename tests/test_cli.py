@@ -338,7 +338,7 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     from dflash_jax import generate
 
     target_dir, draft_dir = model_dirs
-    base = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "4"]
+    base = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "4", "--impl", "reference"]
     real_write = Path.write_text
     monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk full"))
                         if self.name == "stats.json" else real_write(self, *a, **k))
