@@ -133,6 +133,11 @@ def _bucket(n: int, per_doubling: int = 8) -> int:
     return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
 
 
+def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """Each row of a host buffer [B, N] (tokens, accept lengths) cut at its count [B]."""
+    return [row[:count].tolist() for row, count in zip(rows, counts)]
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _zeroed_cache(page_table, groups, num_pages: int, page_size: int, dtype) -> PagedKVCache:
     """``init_cache`` compiled once per shape (``prepare`` compiles it with the rest), so timing a
@@ -195,13 +200,13 @@ class PreparedGeneration:
         prefill_seconds = time.perf_counter() - start
         if on_chunk is not None:  # the prefill's token: streamed text starts at the time to first token
             counts, out = jax.device_get((state.num_generated, state.tokens))
-            on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
+            on_chunk(_generated(out, counts))
         start = time.perf_counter()
         while True:
             state = self.chunk(state, replay_alpha)
             done, counts, out = jax.device_get((state.done, state.num_generated, state.tokens))
             if on_chunk is not None:
-                on_chunk([out[i, :counts[i]].tolist() for i in range(batch)])
+                on_chunk(_generated(out, counts))
             if done.all():
                 break
         decode_seconds = time.perf_counter() - start
@@ -209,11 +214,11 @@ class PreparedGeneration:
         steps, accept, stops = jax.device_get((state.steps, state.accept_lengths, self.inputs[3]))
         finish = ["stop" if counts[i] and out[i, counts[i] - 1] in set(stops[i].tolist()) - {-1} else "length"
                   for i in range(batch)]
-        stats = GenerationStats(accept_lengths=[accept[i, :steps[i]].tolist() for i in range(batch)],
+        stats = GenerationStats(accept_lengths=_generated(accept, steps),
                                 new_tokens=counts.tolist(), block_size=self.config.block_size,
                                 compile_seconds=self.compile_seconds, prefill_seconds=prefill_seconds,
                                 decode_seconds=decode_seconds, finish_reasons=finish)
-        return GenerationResult(tokens=[out[i, :counts[i]].tolist() for i in range(batch)], stats=stats)
+        return GenerationResult(tokens=_generated(out, counts), stats=stats)
 
 
 def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],

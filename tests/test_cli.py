@@ -340,11 +340,19 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     target_dir, draft_dir = model_dirs
     base = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "4", "--impl", "reference"]
     real_write = Path.write_text
-    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk full"))
-                        if self.name == "stats.json" else real_write(self, *a, **k))
+
+    def write_text(self, *args, **kwargs):
+        if self.name == "stats.json":
+            raise OSError("disk full")
+        return real_write(self, *args, **kwargs)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", write_text)
     assert generate.main(base + ["--stats-json", str(tmp_path / "stats.json")]) == 1
     assert capsys.readouterr().err.endswith("error: --stats-json: disk full\n")
-    monkeypatch.setattr(generate, "prepare", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(generate, "prepare", interrupt)
     with pytest.raises(SystemExit) as stop:
         generate.main(base)
     assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
