@@ -45,6 +45,7 @@ from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_op
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
+from dflash_jax.cli import at_least  # noqa: E402
 from dflash_jax.decode import default_steps_per_check  # noqa: E402
 from dflash_jax.generate import PreparedGeneration, prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
@@ -302,6 +303,8 @@ def load_reference(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      f"ours is compared at block {REFERENCE_BLOCK}")
     reference.setdefault("context", 512)  # bench_reference.py's default; older JSONs did not say
     context = reference["context"]
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        parser.error(f"--reference-json {path}: context must be a positive integer, got {context!r}")
     runs_cell = 1 in args.batches and REFERENCE_BLOCK in args.blocks and context in args.contexts
     if "e2e" in args.skip or not runs_cell:
         parser.error(f"--reference-json: the comparison cell (bs 1, block {REFERENCE_BLOCK}, ctx {context}) is not "
@@ -335,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
     parser.add_argument("--skip", type=names_from(SECTIONS, allow_empty=True), default="",
                         help=f"comma list of sections to skip: {','.join(SECTIONS)}")
-    parser.add_argument("--steps-per-check", type=positive_int, default=None,
+    parser.add_argument("--steps-per-check", type=at_least(2), default=None,
                         help="decode steps between the loop's stop checks (must divide --steps; default: "
                         "decode.default_steps_per_check, what users get)")
     add_auto_kernels_option(parser)
@@ -348,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     if args.steps_per_check and shortest_chunk % args.steps_per_check:
         parser.error(f"--steps-per-check {args.steps_per_check} must divide the steps of every timed chunk "
                      f"({shortest_chunk}: --steps for DFlash, twice that for the baseline)")
+    if (args.steps_per_check or default_steps_per_check(args.steps)) < 2:
+        parser.error(f"--steps {args.steps} would check for finished rows after every step, a host round trip "
+                     "per step that the timed loop must not have: give an even --steps (default 16)")
     return args, load_reference(parser, args)
 
 
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None):
                                ("verify", roof.verify(batch, PARTS_CONTEXT, PARTS_BLOCK)),
                                ("commit", roof.commit(batch, PARTS_BLOCK))):
                 row[f"{part}_roofline_ms"] = roof.seconds(cost) * 1e3
+                row[f"{part}_fraction_of_roofline"] = row[f"{part}_roofline_ms"] / row[f"{part}_ms"]
             report["parts"][f"bs{batch}_ctx{PARTS_CONTEXT}_block{PARTS_BLOCK}"] = row
             save()
             log("parts", batch, row)
@@ -438,17 +445,19 @@ def print_table(report):
             print(f"  {name:<20} {r['ms_per_step']:8.2f} {r['roofline_ms']:11.2f} {r['fraction_of_roofline']:9.2f}"
                   f" {r['tokens_per_s']:7.0f}")
     if report["parts"]:
-        print(f"\nDFlash parts (ctx {PARTS_CONTEXT}, block {PARTS_BLOCK})  draft ms (floor)   verify ms (floor)"
-              "   commit ms (floor)")
+        print(f"\nDFlash parts (ctx {PARTS_CONTEXT}, block {PARTS_BLOCK}), ms (floor, fraction)"
+              "   draft                verify               commit")
         for name, r in report["parts"].items():
-            print(f"  {name:<28} {r['draft_ms']:6.2f} ({r['draft_roofline_ms']:.2f})   "
-                  f"{r['verify_ms']:6.2f} ({r['verify_roofline_ms']:.2f})   "
-                  f"{r['commit_ms']:6.2f} ({r['commit_roofline_ms']:.2f})")
+            print(f"  {name:<28}" + "".join(
+                f" {r[f'{part}_ms']:7.2f} ({r[f'{part}_roofline_ms']:.2f}, {r[f'{part}_fraction_of_roofline']:.2f})"
+                for part in ("draft", "verify", "commit")))
     if report["e2e"]:
         print("\nend to end (tok/s and speedup at the expected tau)\n"
-              "                                     step ms (floor)  tau exp  tau meas   tok/s  baseline  speedup")
+              "                                     step ms (floor, fraction)  tau exp  tau meas   tok/s  baseline"
+              "  speedup")
         for name, r in report["e2e"].items():
-            print(f"  {name:<34} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f}) {r['tau_expected']:8.2f}"
+            print(f"  {name:<34} {r['ms_per_step']:7.2f} ({r['step_roofline_ms']:5.2f}, "
+                  f"{r['step_fraction_of_roofline']:.2f}) {r['tau_expected']:8.2f}"
                   f" {r['tau_measured']:9.2f} {r['tokens_per_s']:7.0f} {r['baseline_tokens_per_s']:9.0f}"
                   f" {r['speedup']:7.2f}x")
     ref = report.get("reference")

@@ -53,9 +53,18 @@ def _items(text: str) -> list[str]:
     return items
 
 
+def _distinct(values: list, text: str) -> list:
+    """``values`` parsed from ``text``, refused when one repeats (its cells would run twice and
+    overwrite each other in the report)."""
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(repeated)} given more than once")
+    return values
+
+
 def positive_ints(text: str) -> list[int]:
-    """A comma list of integers >= 1, e.g. ``1,8,32``."""
-    return [positive_int(item) for item in _items(text)]
+    """A comma list of distinct integers >= 1, e.g. ``1,8,32``."""
+    return _distinct([positive_int(item) for item in _items(text)], text)
 
 
 def acceptance_rate(text: str) -> float:
@@ -70,8 +79,8 @@ def acceptance_rate(text: str) -> float:
 
 
 def acceptance_rates(text: str) -> list[float]:
-    """A comma list of ``acceptance_rate`` values."""
-    return [acceptance_rate(item) for item in _items(text)]
+    """A comma list of distinct ``acceptance_rate`` values."""
+    return _distinct([acceptance_rate(item) for item in _items(text)], text)
 
 
 def names_from(choices: Sequence[str], *, allow_empty: bool = False) -> Callable[[str], list[str]]:
@@ -79,7 +88,7 @@ def names_from(choices: Sequence[str], *, allow_empty: bool = False) -> Callable
     def names(text: str) -> list[str]:
         if not text and allow_empty:
             return []
-        items = _items(text)
+        items = _distinct(_items(text), text)
         unknown = [name for name in items if name not in choices]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; expected names of {', '.join(choices)}")

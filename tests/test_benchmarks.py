@@ -41,6 +41,9 @@ def test_bench_e2e_reports_every_context_against_its_own_baseline(tmp_path):
     assert report["command"] and report["settings"]["steps"] == 4 and report["jax"] and report["device"]
     assert set(report["decode"]) == {"bs1_ctx16", "bs1_ctx48"}
     assert set(report["parts"]) == {"bs1_ctx512_block16"}
+    parts = report["parts"]["bs1_ctx512_block16"]
+    for part in ("draft", "verify", "commit"):
+        assert math.isclose(parts[f"{part}_fraction_of_roofline"], parts[f"{part}_roofline_ms"] / parts[f"{part}_ms"])
     assert set(report["e2e"]) == {"bs1_ctx16_block16_alpha0.86", "bs1_ctx48_block16_alpha0.86"}
     for context in (16, 48):
         base = report["decode"][f"bs1_ctx{context}"]
@@ -89,6 +92,11 @@ def parse_error(capsys, parse, argv) -> str:
     (["--steps", "16", "--steps-per-check", "3", "--skip", "e2e"], "every timed chunk (32"),
     (["--contexts", "40900"], "exceeds the model's 40960 positions"),
     (["--auto-kernels", "nope=on"], "expected OP=on|off"),
+    (["--steps", "5"], "check for finished rows after every step"),
+    (["--steps-per-check", "1"], "must be an integer >= 2"),
+    (["--batches", "1,8,1"], "1 given more than once"),
+    (["--alphas", "0.86,0.860"], "0.86 given more than once"),
+    (["--skip", "parts,parts"], "parts given more than once"),
 ])
 def test_bench_e2e_rejects_bad_settings_when_parsing(capsys, argv, message):
     line = parse_error(capsys, bench_e2e.parse_args, ["--shape", "tiny", *argv])
@@ -114,6 +122,8 @@ def test_bench_e2e_rejects_an_output_path_that_is_a_file(capsys, tmp_path):
     (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--blocks", "8"], "is not run"),
     (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--batches", "8"], "is not run"),
     (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03}), ["--skip", "e2e"], "is not run"),
+    (json.dumps({"decode_step_s": 0.02, "dflash_step_s": 0.03, "context": 16.0}), ["--contexts", "16"],
+     "context must be a positive integer, got 16.0"),
 ])
 def test_bench_e2e_checks_the_reference_json_when_parsing(capsys, tmp_path, content, extra, message):
     path = tmp_path / "reference.json"
@@ -145,9 +155,15 @@ def test_chunks_give_the_median_step_and_pool_tau_and_context():
     assert summary["repeats"] == 3 and summary["steps"] == 4
 
 
-def test_roofline_charges_the_draft_what_its_block_pass_reads():
+@pytest.fixture(scope="module")
+def tiny_models():
+    """The benchmark's tiny (target, draft), random weights: built once for this file's tests."""
     from common import random_models
-    target, draft = random_models("tiny")
+    return random_models("tiny")
+
+
+def test_roofline_charges_the_draft_what_its_block_pass_reads(tiny_models):
+    target, draft = tiny_models
     roof = bench_e2e.Roofline(target, draft, {"bandwidth_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0})
     t, d = target.params, draft.params
     n = bench_e2e.nbytes
@@ -167,10 +183,41 @@ def test_roofline_charges_the_draft_what_its_block_pass_reads():
     assert step.bytes == roof.verify(2, 0, 16).bytes + part.bytes + n(d.fc) + 2 * kv_columns
 
 
-def test_replay_draws_depend_on_the_prefill_seed():
-    from common import random_models, random_prompts
+def test_roofline_charges_each_layer_its_kv_cache(tiny_models):
+    """K and V, bf16, every layer: what a step reads of the context, by hand from the configs."""
+    target, draft = tiny_models
+    roof = bench_e2e.Roofline(target, draft, {"bandwidth_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0})
+    tc, dc = target.config, draft.config.model
+    for batch, context, block in ((1, 100, 1), (3, 37, 4)):
+        target_kv = batch * context * tc.num_layers * 2 * tc.num_kv_heads * tc.head_dim * 2
+        draft_kv = batch * context * dc.num_layers * 2 * dc.num_kv_heads * dc.head_dim * 2
+        assert roof.verify(batch, context, block).bytes == roof.verify(batch, 0, block).bytes + target_kv
+        assert roof.draft(batch, context, block).bytes == roof.draft(batch, 0, block).bytes + draft_kv
+
+
+def test_replay_accepts_as_often_as_alpha_says(tiny_models):
+    """Tokens per step under replay average tau(alpha, block) = (1 - alpha^block) / (1 - alpha):
+    each draft accepted with probability alpha up to the first rejection, then the bonus token."""
+    from common import random_prompts
     from dflash_jax.generate import prepare
-    target, draft = random_models("tiny")
+    target, draft = tiny_models
+    block = 8
+    prep = prepare(target, random_prompts(np.random.default_rng(0), 64, 8, 512), draft=draft, block_size=block,
+                   max_new_tokens=4 * block + 1, chunk_steps=4, accept_replay=True, impl="reference")
+    for alpha in (0.0, 0.5, 0.86):
+        lengths = np.concatenate([bench_e2e.time_chunk(prep, seed, alpha).accept_lengths for seed in (1, 2)]).ravel()
+        assert lengths.min() >= 1 and lengths.max() <= block
+        if alpha == 0:
+            assert (lengths == 1).all()
+        else:  # 512 draws; within 4 standard errors of the exact mean
+            standard_error = lengths.std() / np.sqrt(lengths.size)
+            assert abs(lengths.mean() - bench_e2e.expected_tau(alpha, block)) < 4 * standard_error, alpha
+
+
+def test_replay_draws_depend_on_the_prefill_seed(tiny_models):
+    from common import random_prompts
+    from dflash_jax.generate import prepare
+    target, draft = tiny_models
     prep = prepare(target, random_prompts(np.random.default_rng(0), 2, 8, 512), draft=draft, max_new_tokens=65,
                    chunk_steps=4, accept_replay=True, impl="reference")
     lengths = [bench_e2e.time_chunk(prep, seed, 0.7).accept_lengths for seed in (1, 2, 1)]
