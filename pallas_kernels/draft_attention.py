@@ -31,6 +31,12 @@ from pallas_kernels.verify_attention import (TUNING_ARGS, attend_pages, check_pa
 MAX_BLOCK = 128
 
 
+def block_tile(block: int) -> int:
+    """Rows in which the kernel loads the block's own K and V: the block padded to a power of
+    two, at least 16 (Triton's smallest dot)."""
+    return max(16, next_power_of_2(block))
+
+
 def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                     page_table: jax.Array, context_lens: jax.Array,
                                     block_k: jax.Array, block_v: jax.Array,
@@ -91,7 +97,7 @@ def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref
     # no key visible and their loads masked off: cheaper than branching on the split (H100,
     # 2026-11-26: the 134 MB draft cells 0.6-0.8 µs faster per call than with lax.cond).
     block = bk_ref.shape[0]
-    tile_k = max(16, next_power_of_2(block))
+    tile_k = block_tile(block)
     j = lax.broadcasted_iota(jnp.int32, (tile_k,), 0)
     real = (j < jnp.minimum(blen_ref[b], block)) & (split == num_splits - 1)
     mask = jnp.broadcast_to(real[:, None], (tile_k, head_dim))
@@ -139,8 +145,9 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"block_lens must be an integer [batch={batch}] array, got "
                          f"{block_lens.dtype} {block_lens.shape}")
     check_sliding_window(sliding_window)
-    # the block's own K and V of one KV head stay in shared memory beside the query tile
-    block_kv_bytes = 2 * block * q.shape[3] * k_pages.dtype.itemsize
+    # the block's own K and V of one KV head stay in shared memory beside the query tile, as
+    # the tile the kernel loads them in
+    block_kv_bytes = 2 * block_tile(block) * q.shape[3] * k_pages.dtype.itemsize
     blocks = choose_blocks(q, k_pages, page_table, block_kv_bytes, block_t=block_t,
                            pages_per_block=pages_per_block, num_splits=num_splits,
                            num_warps=num_warps, num_stages=num_stages, pallas_merge=pallas_merge)

@@ -111,6 +111,9 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
                          f"block_k {block_k}) exceeds the {limits.smem_budget} B of shared memory a program may use")
     if num_stages is None:
         num_stages = max(1, min(3, limits.smem_budget // stage_bytes))
+    elif num_stages * stage_bytes > limits.smem_budget:
+        raise ValueError(f"num_stages={num_stages} stages of x and weight tiles ({stage_bytes} B each) exceed "
+                         f"the {limits.smem_budget} B of shared memory a program may use: take fewer stages")
     num_warps = 4 if num_warps is None else num_warps
     check_launch(num_warps, num_stages)
     return MatmulBlocks(block_m, block_n, block_k, num_splits, num_warps, num_stages)

@@ -226,6 +226,10 @@ def attention_blocks(*, q_len: int, group: int, head_dim: int, page_size: int,
                          f"tokens), the query tile ({q_bytes} B) and the block's own K/V ({extra_smem_bytes} B) "
                          f"exceed the {budget} B of shared memory a program may use: take {smaller} "
                          "or a smaller block_t")
+    if num_stages * stage_bytes(pages_per_block) + q_bytes + extra_smem_bytes > budget:
+        raise ValueError(f"num_stages={num_stages} KV stages ({stage_bytes(pages_per_block)} B each), the query tile "
+                         f"({q_bytes} B) and the block's own K/V ({extra_smem_bytes} B) exceed the {budget} B of "
+                         "shared memory a program may use: take fewer stages or fewer pages_per_block")
     if num_splits is None:
         num_splits = splits_for(pages_per_block, min_tiles_per_split)
     if num_warps is None:

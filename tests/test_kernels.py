@@ -94,17 +94,18 @@ def _grid(*axes):
 
 # Full product of dtype x GQA group x head_dim x sliding window; page size, query length (decode
 # 1, verify 16 / 5, prefill 37 in several query tiles) and tuning overrides cycle along it so
-# that each meets every value of the other axes; every batch mixes a fresh prompt (start 0), an
-# exact page multiple and a random length.
+# that each meets every value of the other axes (page size every head_dim x window pair); every
+# batch mixes a fresh prompt (start 0), an exact page multiple and a random length.
 VERIFY_GRID = _grid(("f32", "bf16"), (1, 4, 8), (64, 128), (None, 20))
 VERIFY_T = (1, 16, 5, 37)
 TUNINGS = ({}, {"num_splits": 3, "pallas_merge": True}, {"pages_per_block": 1},
            {"block_t": 16, "num_splits": 2, "pallas_merge": False})
 VERIFY_CASES = [
-    (dtype, group, head_dim, (16, 32)[(i + i // 2) % 2], window, VERIFY_T[(i + i // 4) % 4],
+    (dtype, group, head_dim, (16, 32)[(i + i // 2 + i // 4) % 2], window, VERIFY_T[(i + i // 4) % 4],
      TUNINGS[(i // 2 + i // 4) % 4])
     for i, (dtype, group, head_dim, window) in enumerate(VERIFY_GRID)
-] + [("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16}),
+] + [("bf16", 4, 64, 16, 1, 5, {"num_splits": 2}),  # a window of one key: each query sees itself
+     ("f16", 4, 64, 16, None, 3, {}), ("bf16", 4, 128, 16, 24, 70, {"block_t": 16}),
      ("bf16", 4, 128, 16, None, 16, {"pages_per_block": 4, "num_stages": 3, "num_splits": 1}),
      # groups that are not a power of two (Qwen3-14B: 40 heads over 8) ride padded to one
      ("bf16", 5, 128, 16, None, 16, {}), ("f32", 5, 64, 16, None, 16, {}),
@@ -144,7 +145,9 @@ DRAFT_CASES = [(*c, *DRAFT_SHAPES[(i + i // 2) % 4], TUNINGS[(i + i // 4) % 4])
     # a two-sided window narrower than the block (the grid's windows all exceed its blocks there),
     # and no window on page size 32, non-causal
     ("f32", 4, False, 6, 64, 16, 16, {}), ("bf16", 4, False, 5, 128, 32, 16, {"num_splits": 2}),
-    ("f32", 8, False, None, 128, 32, 16, {})]
+    ("f32", 8, False, None, 128, 32, 16, {}), ("f32", 4, True, 1, 64, 16, 8, {}),
+    # blocks longer than 16 that are not a power of two, or are one: the block tile pads them
+    ("f32", 4, False, None, 64, 16, 24, {}), ("bf16", 1, True, 20, 128, 32, 32, {"num_splits": 2})]
 
 
 @pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -227,10 +230,55 @@ def test_draft_attention_default_block_lens(interpret, check):
     check(out, ref, jnp.float32)
 
 
+def test_attention_at_the_page_tables_capacity(interpret, check):
+    """Tables filled to the last slot: verify queries past the table's capacity (their keys
+    could never be written) see every cached key, and a draft context longer than the table
+    reads only what the table holds, as the references do."""
+    rng = _rng("capacity")
+    page_size, kv_heads, group, head_dim, q_len = 16, 2, 4, 64, 16
+    lens = [3 * page_size, 3 * page_size]
+    k, v, table = make_cache(rng, lens, pages_per_seq=3, page_size=page_size, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, q_len, kv_heads * group, head_dim)), jnp.float32)
+    start = jnp.asarray([3 * page_size - 4, 3 * page_size - 9], jnp.int32)  # 12 and 7 queries past the end
+    for tuning in ({}, {"pages_per_block": 1, "num_splits": 2}):
+        out = pk.paged_verify_attention(q, k, v, table, start, interpret=interpret, **tuning)
+        check(out, _reference(pk.paged_verify_attention_reference, q, k, v, table, start), jnp.float32)
+        block_k, block_v = (jnp.asarray(rng.standard_normal((2, q_len, kv_heads, head_dim)), jnp.float32)
+                            for _ in range(2))
+        ctx = jnp.asarray([3 * page_size, 3 * page_size + 7], jnp.int32)
+        out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret, **tuning)
+        check(out, _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v),
+              jnp.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_f16_values_at_the_top_of_the_range_stay_finite(interpret, num_splits):
+    """Every value 65504 (f16's largest): the output is a convex combination of the values, so
+    it must come out 65504, not round past it to inf (split partials too). Key 0 scores 0 (the
+    maximum); keys 1..31 share the score whose weight f16 rounds up the most, the worst case for
+    a normalizer that would sum the weights unrounded."""
+    head_dim, page_size = 16, 16
+    scale = np.float32(head_dim ** -0.5 * np.log2(np.e))
+    weight = lambda c: np.exp2(np.float32(c) * scale)  # noqa: E731  (q = e_0, key = c e_0)
+    c = max(-np.arange(0.5, 4, 2 ** -9, dtype=np.float32),
+            key=lambda c: (np.float32(np.float16(weight(c))) - weight(c)) / weight(c))
+    k = np.zeros((2, page_size, 1, head_dim), np.float16)
+    k.reshape(-1, head_dim)[1:, 0] = c
+    v = np.full(k.shape, 65504, np.float16)
+    q = np.zeros((1, 1, 1, head_dim), np.float16)
+    q[..., 0] = 1
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([[0, 1]], jnp.int32),
+            jnp.asarray([2 * page_size - 1], jnp.int32))  # the query sees all 32 keys
+    out = pk.paged_verify_attention(*args, interpret=interpret, num_splits=num_splits, pages_per_block=1)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 65504)
+
+
 # --------------------------------------------------------------------------------------------
 # norm_rope_write, qkv_norm_rope_write and qkv_norm_rope.
 
-WRITE_CASES = [("f32", 64, 16, 2), ("bf16", 128, 32, 8), ("f32", 128, 32, 1), ("bf16", 64, 16, 4)]
+WRITE_CASES = [("f32", 64, 16, 2), ("bf16", 128, 32, 8), ("f32", 128, 32, 1), ("bf16", 64, 16, 4),
+               ("f32", 64, 32, 2), ("bf16", 128, 16, 8)]
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -277,7 +325,8 @@ def _qkv_projection(rng, batch: int, q_len: int, group: int, head_dim: int, dtyp
 
 
 # (dtype, GQA group, head_dim, page size, tokens per sequence)
-QKV_CASES = [("f32", 1, 64, 16, 6), ("bf16", 4, 128, 32, 5), ("f32", 8, 64, 32, 1), ("bf16", 8, 128, 16, 16)]
+QKV_CASES = [("f32", 1, 64, 16, 6), ("bf16", 4, 128, 32, 5), ("f32", 8, 64, 32, 1), ("bf16", 8, 128, 16, 16),
+             ("bf16", 4, 64, 32, 3), ("f32", 4, 128, 16, 2)]
 
 
 @pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -315,7 +364,7 @@ def test_qkv_norm_rope_write(case, interpret, check):
 
 # (dtype, GQA group, head_dim, tokens per sequence, rows per program)
 QKV_BLOCK_CASES = [("f32", 1, 64, 6, None), ("bf16", 4, 128, 16, None), ("f32", 8, 64, 1, 16),
-                   ("bf16", 2, 128, 5, 8)]
+                   ("bf16", 2, 128, 5, 8), ("bf16", 8, 64, 3, None), ("f32", 4, 128, 16, None)]
 
 
 @pytest.mark.parametrize("case", QKV_BLOCK_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -442,6 +491,7 @@ LOWERINGS = {
                             {"causal": True, "sliding_window": 32}),
     "draft_f32_two_sided_window": (pk.paged_draft_attention, _draft_shapes(dtype=jnp.float32),
                                    {"sliding_window": 8}),
+    "draft_block_24": (pk.paged_draft_attention, _draft_shapes(block=24), {}),
     "verify_f16_head_dim_64_page_32": (pk.paged_verify_attention,
                                        _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
     "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
@@ -702,6 +752,17 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
     with pytest.raises(ValueError, match="sliding_window must be an int"):
         pk.paged_verify_attention_reference(*(jnp.zeros(x.shape, x.dtype) for x in _attention_shapes()),
                                             sliding_window=0)
+    jax.eval_shape(functools.partial(verify, sliding_window=np.int64(8)), *_attention_shapes())  # numpy ints too
+    for shapes in (_attention_shapes(pages_per_seq=0), _attention_shapes(num_pages=0)):
+        with pytest.raises(ValueError, match="at least one page"):
+            jax.eval_shape(verify, *shapes)
+    # stages beyond shared memory, given by hand: 4 x 128 KB of K/V tiles (2 x 64 KB fit)
+    with pytest.raises(ValueError, match="num_stages=4 KV stages .131072 B each"):
+        jax.eval_shape(functools.partial(verify, pages_per_block=16, num_stages=4), *_attention_shapes())
+    jax.eval_shape(functools.partial(verify, pages_per_block=8, num_stages=3), *_attention_shapes())
+    with pytest.raises(ValueError, match="num_stages=4 stages of x and weight tiles"):
+        jax.eval_shape(functools.partial(pk.fused_matmul, block_n=256, block_k=256, num_stages=4),
+                       S((16, 1024), BF), S((1024, 512), BF))
     # f32, head_dim 256, a 128-token block: its own K/V alone is 256 KB of shared memory
     f32 = lambda shape, dtype=jnp.float32: S(shape, dtype)  # noqa: E731
     with pytest.raises(ValueError, match="exceed the .* shared memory"):
