@@ -51,6 +51,10 @@ from dflash_jax.generate import PreparedGeneration, prepare  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
+# Batches and contexts per shape when not given: the grid at Qwen3-8B, a CPU smoke test at
+# tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
+SHAPE_DEFAULTS = {"qwen3-8b": {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32]},
+                  "tiny": {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1]}}
 PARTS_CONTEXT, PARTS_BLOCK = 512, 16
 REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
 REFERENCE_KEYS = ("decode_step_s", "dflash_step_s")
@@ -323,8 +327,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out", type=output_dir, default="out")
     parser.add_argument("--reference-json")
-    parser.add_argument("--batches", type=positive_ints, default="1,8,32")
-    parser.add_argument("--contexts", type=positive_ints, default="512,4096")
+    parser.add_argument("--batches", type=positive_ints, help="default: 1,8,32 (tiny: 1,8)")
+    parser.add_argument("--contexts", type=positive_ints, help="default: 512,4096 (tiny: 16,64)")
     parser.add_argument("--blocks", type=positive_ints, default="4,8,16")
     parser.add_argument("--alphas", type=acceptance_rates, default="0.86,0.68", help="each in [0, 1)")
     parser.add_argument("--steps", type=positive_int, default=16, help="DFlash steps per timed chunk "
@@ -334,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser.add_argument("--ceiling-mib", type=positive_int, help="buffer size for the bandwidth ceiling "
                         "(default: 1024, 8 at --shape tiny)")
     parser.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
-    parser.add_argument("--parts-batches", type=positive_ints, default="1,32")
+    parser.add_argument("--parts-batches", type=positive_ints, help="default: 1,32 (tiny: 1)")
     parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
     parser.add_argument("--skip", type=names_from(SECTIONS, allow_empty=True), default="",
                         help=f"comma list of sections to skip: {','.join(SECTIONS)}")
@@ -343,6 +347,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
                         "decode.default_steps_per_check, what users get)")
     add_auto_kernels_option(parser)
     args = parser.parse_args(argv)
+    for name, value in SHAPE_DEFAULTS[args.shape].items():  # the tiny shape's are small enough for a CPU
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     check_block_sizes(parser, "--blocks", args.blocks, args.shape)
     draft_block = SHAPES[args.shape][1].block_size
     check_positions(parser, "--contexts", args.contexts, args.steps * draft_block + 1, args.shape)

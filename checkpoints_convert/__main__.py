@@ -1,5 +1,6 @@
 """Convert an HF folder (Qwen3 target or DFlash draft) into a folder that dflash_jax loads.
-Errors print one line and exit 1 (130 on Ctrl-C or a kill); nothing is left behind."""
+Errors print one line and exit 2, as the other command lines do (130 on Ctrl-C or a kill);
+nothing is left behind."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, OSError) as error:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(out)

@@ -468,7 +468,8 @@ def _unreadable_params(directory: str | Path):
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - orbax raises bare Exceptions with long dumps
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        first_line = first_line.split(" See full TensorStore details")[0][:300]  # a dump follows
         raise CheckpointError(f"{directory}: {PARAMS_DIR}/ could not be read ({first_line}); "
                               "convert the model again") from error
 

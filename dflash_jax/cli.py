@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import re
 import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -70,6 +71,21 @@ def reported_as_errors() -> Iterator[None]:
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def named_as_flags(names: Iterable[str]) -> Iterator[None]:
+    """Within it, a ValueError that names one of the library arguments ``names`` (``top_p``)
+    names it as the flag that sets it (``--top-p``): the user typed the flag."""
+    try:
+        yield
+    except ValueError as error:
+        message = str(error)
+        for name in names:
+            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+        if message == str(error):
+            raise
+        raise ValueError(message) from error
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:

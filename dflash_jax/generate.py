@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import interrupt_exits, one_line_warnings
+from dflash_jax.cli import interrupt_exits, named_as_flags, one_line_warnings
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -79,19 +80,28 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode throughput: tokens emitted after the first one, over the decode time."""
-        return (sum(self.new_tokens) - len(self.new_tokens)) / self.decode_seconds if self.decode_seconds else 0.0
+        """Decode throughput: tokens emitted after the first one, over the decode time (NaN when
+        none was: max_new_tokens 1, or every sequence stopped at its first token)."""
+        decoded = sum(self.new_tokens) - len(self.new_tokens)
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds else float("nan")
+
+    def speedup_over(self, baseline: GenerationStats) -> float | None:
+        """Decode tok/s over ``baseline``'s; None when either decoded nothing."""
+        ours, theirs = self.tokens_per_second, baseline.tokens_per_second
+        return None if math.isnan(ours) or math.isnan(theirs) else ours / theirs
 
     @property
     def time_to_first_token(self) -> float:
         return self.prefill_seconds
 
     def summary(self) -> dict:
-        """The statistics as JSON values; tau is None when no sequence took a step."""
-        return {"tau": None if math.isnan(self.tau) else self.tau, "steps": self.steps,
+        """The statistics as JSON values; tau and tok/s are None when undefined (no step taken,
+        nothing decoded after the first token)."""
+        defined = lambda x: None if math.isnan(x) else x  # noqa: E731
+        return {"tau": defined(self.tau), "steps": self.steps,
                 "new_tokens": self.new_tokens, "histogram": self.histogram(),
                 "position_acceptance": self.position_acceptance(),
-                "tokens_per_second": self.tokens_per_second, "time_to_first_token": self.prefill_seconds,
+                "tokens_per_second": defined(self.tokens_per_second), "time_to_first_token": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "compile_seconds": self.compile_seconds,
                 "finish_reasons": self.finish_reasons}
 
@@ -245,6 +255,14 @@ def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],
     return max_new
 
 
+def check_page_size(config: ModelConfig, page_size: int) -> None:
+    """ValueError for a page larger than the model's positions: every prompt is padded to whole
+    pages, so such a page only costs memory and prefill time."""
+    if page_size > config.max_position_embeddings:
+        raise ValueError(f"page_size {page_size} exceeds the target's max_position_embeddings "
+                         f"{config.max_position_embeddings} (prompts are padded to whole pages)")
+
+
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
             max_new_tokens: int | Sequence[int] = 128, sampling: SamplingConfig | None = None,
             stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -258,6 +276,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch = len(prompts)
     max_new = check_prompts(target.config, prompts, max_new_tokens)
+    check_page_size(target.config, page_size)
     if draft is not None:
         draft.config.check_target(target.config)
         if draft.params.fc.dtype != target.params.embed.dtype:
@@ -412,7 +431,7 @@ def _out_of_memory_as_error():
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         raise ValueError(f"out of device memory ({str(error).splitlines()[0][:200]}): use fewer prompts per "
-                         "batch or a smaller --max-new-tokens") from error
+                         "batch, a smaller --max-new-tokens or a smaller --page-size") from error
 
 
 def _format(value: float | None, template: str) -> str:
@@ -422,7 +441,7 @@ def _format(value: float | None, template: str) -> str:
 
 def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None:
     stats = result.stats
-    print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {stats.tokens_per_second:.1f} tok/s decode, "
+    print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {_format(stats.tokens_per_second, '{:.1f}')} tok/s decode, "
           f"time to first token {stats.time_to_first_token * 1e3:.1f} ms "
           f"(compile {stats.compile_seconds:.1f} s, not counted)", file=sys.stderr)
     stopped = stats.finish_reasons.count("stop")
@@ -471,6 +490,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The library arguments that generate's flags set: in its errors they are named as the flags.
+FLAGS = ("temperature", "top_p", "top_k", "max_new_tokens", "page_size", "chunk_steps", "steps_per_check",
+         "block_size")
+
+
+def _warn_ignored_flags(args, sampling: SamplingConfig, draft_dir) -> None:
+    """A warning for each flag the run would ignore."""
+    if args.baseline and draft_dir is None:
+        warnings.warn("--baseline compares DFlash with plain decoding; with no draft there is nothing to compare")
+    if sampling.greedy and (args.top_p != 1.0 or args.top_k):
+        warnings.warn("--top-p and --top-k shape sampling; at --temperature 0 decoding is greedy and ignores them")
+
+
 def _first_difference(ours: list[list[int]], base: list[list[int]]) -> str:
     """Where two batches of token lists first differ, for the --baseline comparison."""
     for i, (a, b) in enumerate(zip(ours, base)):
@@ -497,9 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_draft:
         draft_dir = None
     try:  # everything that reads the user's input, cheapest first; weights last
-        sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-        _check_flags(args, draft_dir)
+        with named_as_flags(FLAGS):
+            sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+            _check_flags(args, draft_dir)
+        _warn_ignored_flags(args, sampling, draft_dir)
         target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
+        with named_as_flags(FLAGS):
+            check_page_size(target_config, args.page_size)
         if draft_dir:
             draft_config = load_draft_config(draft_dir)
             try:
@@ -513,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
+        outside = [i for i in tokenizer.stop_token_ids if not 0 <= i < target_config.vocab_size]
+        if outside:
+            warnings.warn(f"{target_dir}: stop token id(s) {outside} lie outside the vocabulary "
+                          f"({target_config.vocab_size} tokens) and can never stop a sequence")
         texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
         prompts = [tokenizer.encode(t) for t in texts]
         check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
@@ -563,9 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         _print_stats("plain", base, False)
-        rates = result.stats.tokens_per_second, base.stats.tokens_per_second
-        # Undefined when a run decoded nothing after its first token (max_new_tokens 1, early stops).
-        speedup = rates[0] / rates[1] if all(rates) else None
+        speedup = result.stats.speedup_over(base.stats)
         identical = base.tokens == result.tokens
         print(f"[compare] speedup {_format(speedup, '{:.2f}x')} over plain decoding; "
               f"outputs identical: {identical}" + ("" if sampling.greedy else " (sampling: not expected)"),

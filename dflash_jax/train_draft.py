@@ -433,16 +433,17 @@ def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]],
                     stop_token_ids=stop, seed=seed).stats
     plain = generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop,
                      seed=seed).stats
-    return {"temperature": temperature, "tau": spec.tau, "position_acceptance": spec.position_acceptance(),
-            "histogram": spec.histogram(), "tokens_per_second": spec.tokens_per_second,
-            "plain_tokens_per_second": plain.tokens_per_second,
-            "speedup": spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else None}
+    ours, theirs = spec.summary(), plain.summary()  # undefined values as None
+    return {"temperature": temperature, "tau": ours["tau"], "position_acceptance": ours["position_acceptance"],
+            "histogram": ours["histogram"], "tokens_per_second": ours["tokens_per_second"],
+            "plain_tokens_per_second": theirs["tokens_per_second"], "speedup": spec.speedup_over(plain)}
 
 
 @one_line_warnings()
 @interrupt_exits()
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m dflash_jax.train_draft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="target HF folder (with tokenizer.json)")
     parser.add_argument("--out", required=True, help="output draft folder (z-lab HF format)")
     parser.add_argument("--data", nargs="+", default=None,
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--regen-batch", type=at_least(1), default=256)
     parser.add_argument("--save-data", default=None, help="write the training rows to this .npz token file")
     parser.add_argument("--num-layers", type=at_least(1), default=2)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=at_least(2), default=16)
     parser.add_argument("--target-layer-ids", default=None, help="comma-separated z-lab ids (default: build rule)")
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: the target's <|mask|>")
     defaults = DraftTrainConfig()
@@ -535,13 +536,19 @@ def main(argv: list[str] | None = None) -> None:
         if eval_prompts:  # τ of the exported (bfloat16) files, as --eval-only and users load them
             draft = load_draft(args.out, target, dtype=args.dtype)
     if eval_prompts:
-        results = [evaluate_tau(target, draft, eval_prompts, max_new_tokens=args.eval_new_tokens, temperature=t)
-                   for t in (0.0, 0.7)]
-        for r in results:
-            speedup = "n/a (plain decoding timed no tokens)" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-            print(f"eval T={r['temperature']}: tau {r['tau']:.3f}, speedup {speedup} "
-                  f"({r['tokens_per_second']:.0f} vs {r['plain_tokens_per_second']:.0f} tok/s)")
-        (Path(args.out).with_name(Path(args.out).name + ".eval.json")).write_text(json.dumps(results, indent=1))
+        results = []
+        for temperature in (0.0, 0.7):
+            with announced("train_draft", f"evaluating at T={temperature}: {len(eval_prompts)} prompts x "
+                                          f"{args.eval_new_tokens} new tokens, with the draft and without"):
+                results.append(r := evaluate_tau(target, draft, eval_prompts, max_new_tokens=args.eval_new_tokens,
+                                                 temperature=temperature))
+            number = lambda x, template: "n/a" if x is None else template.format(x)  # noqa: E731
+            print(f"eval T={temperature}: tau {number(r['tau'], '{:.3f}')}, speedup "
+                  f"{number(r['speedup'], '{:.2f}x')} ({number(r['tokens_per_second'], '{:.0f}')} vs "
+                  f"{number(r['plain_tokens_per_second'], '{:.0f}')} tok/s)")
+        path = Path(args.out).with_name(Path(args.out).name + ".eval.json")
+        path.write_text(json.dumps(results, indent=1))
+        print(f"train_draft: wrote {path}")
 
 
 def _eval_prompts(args, tokenizer, eos_id: int | None) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """Train a tiny Qwen3-architecture target from scratch on an offline corpus (the stdlib source),
 plus the training machinery the draft trainer shares (optimizer, train state, orbax loop).
 
-    python -m dflash_jax.train_target --out DIR [--corpus stdlib] [--steps 2000] [--batch 64]
+    python -m dflash_jax.train_target --out DIR [--corpus stdlib] [--steps N] [--batch N]
         [--resume | --overwrite]
 
 Writes an HF Qwen3 folder (config.json, safetensors, tokenizer.json, tokenizer_config.json,
@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -438,6 +439,10 @@ def open_target_run(out_dir: str | Path, train: TargetTrainConfig, *, corpus: st
         with announced("train_target", f"training a {train.shape.vocab_size}-token tokenizer on {len(files)} files"):
             tokenizer = data.train_tokenizer(texts, train.shape.vocab_size, staging)
     eos_id = tokenizer.token_to_id(data.EOS_TOKEN)
+    if tokenizer.get_vocab_size() != train.shape.vocab_size:
+        warnings.warn(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, not the {train.shape.vocab_size} asked "
+                      "for (a byte-level BPE holds at least the 256 bytes and its special tokens, and a small "
+                      "corpus may give fewer merges); the model takes the tokenizer's size")
     config = dataclasses.replace(train.shape, vocab_size=tokenizer.get_vocab_size()).model_config(eos_id)
     with announced("train_target", f"tokenizing {len(files)} training and {len(heldout)} held-out files"):
         rows = data.pack_stream(data.encode_documents(tokenizer, texts, eos_id), train.seq_len,
@@ -484,7 +489,8 @@ def train_target(run: TargetRun, *, eval_every: int = 250, max_shard_mb: int = D
 @one_line_warnings()
 @interrupt_exits()
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m dflash_jax.train_target", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output HF model folder")
     parser.add_argument("--corpus", default="stdlib",
                         help="'stdlib' (the running interpreter's *.py) or a folder of *.py files (at least 2)")

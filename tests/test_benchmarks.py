@@ -103,6 +103,17 @@ def test_bench_e2e_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert "error:" in line and message in line
 
 
+def test_bench_e2e_defaults_follow_the_shape():
+    """The issue's grid at Qwen3-8B; at tiny, a CPU smoke test (its reference attention at bs 32
+    and 4096 tokens took ~20 GB)."""
+    real, _ = bench_e2e.parse_args([])
+    assert (real.batches, real.contexts, real.parts_batches) == ([1, 8, 32], [512, 4096], [1, 32])
+    tiny, _ = bench_e2e.parse_args(["--shape", "tiny"])
+    assert (tiny.batches, tiny.contexts, tiny.parts_batches) == ([1, 8], [16, 64], [1])
+    given, _ = bench_e2e.parse_args(["--shape", "tiny", "--batches", "32", "--contexts", "8"])
+    assert (given.batches, given.contexts) == ([32], [8])
+
+
 def test_bench_e2e_accepts_steps_per_check_that_divides_only_the_chunks_it_runs():
     args, _ = bench_e2e.parse_args(["--steps", "16", "--steps-per-check", "32", "--skip", "e2e"])
     assert args.steps_per_check == 32

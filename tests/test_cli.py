@@ -87,11 +87,11 @@ def test_cli_batch_file_and_chat(model_dirs, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--target", "/nonexistent"], "not found"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
     (["--block-size", "9"], "--block-size must be in [2, 4] (the draft's trained block size), got 9"),
     (["--block-size", "0"], "--block-size must be in [2, 4] (the draft's trained block size), got 0"),
     (["--prompt", ""], "--prompt is empty"),
-    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     (["--seed", str(2**32)], "seed must be an integer in [0, 2**32), got 4294967296"),
     (["--seed", "-1"], "seed must be an integer in [0, 2**32), got -1"),
 ])
@@ -155,8 +155,10 @@ def test_cli_one_new_token_reports_undefined_stats_as_na(model_dirs, tmp_path, c
     assert "tau (mean accepted length, bonus included) n/a over 0 steps" in err
     assert "speedup n/a over plain decoding; outputs identical: True" in err
     assert f"reading {target_dir.name}: 100%" in err and f"reading {draft_dir.name}: 100%" in err
+    assert "[plain] 1 tokens, n/a tok/s decode" in err
     summary = json.loads(stats.read_text(), parse_constant=_reject_nan)
     assert summary["dflash"]["tau"] is None and summary["plain"]["tau"] is None
+    assert summary["dflash"]["tokens_per_second"] is None and summary["plain"]["tokens_per_second"] is None
     assert summary["speedup"] is None and summary["dflash"]["new_tokens"] == [1]
     load_target(target_dir, "float32")  # the library stays quiet by default
     assert capsys.readouterr().err == ""
@@ -292,7 +294,8 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--no-draft", "--block-size", "4"], "--block-size needs a draft"),
     (["--stats-json", "{tmp}/missing/stats.json"], "folder does not exist"),
     (["--stats-json", "{tmp}"], "is a folder: give a file name"),
-    (["--steps-per-check", "3"], "steps_per_check (3) must be >= 1 and divide the steps per chunk (16"),
+    (["--steps-per-check", "3"], "--steps-per-check (3) must be >= 1 and divide the steps per chunk (16: "
+                                 "--chunk-steps"),
     (["--batch-file", "{upper}", "--no-draft"], 'upper.JSONL:1: expected an object with a "prompt" string'),
     (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
                                                                       "pass it as the draft (--draft)"),
@@ -305,10 +308,12 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
                                      '"content" strings'),
     (["--max-new-tokens", "1000000"], "more than the target's max_position_embeddings"),
     (["--impl", "pallas"], "attention impl 'pallas' cannot run here"),
+    (["--page-size", "8192"], "--page-size 8192 exceeds the target's max_position_embeddings 4096 (prompts are "
+                              "padded to whole pages)"),
 ], ids=["chat", "jsonl", "empty", "blank-jsonl", "missing-file", "page-size", "chunk-steps", "block-size", "stats-json",
         "stats-json-folder", "steps-per-check", "upper-case-jsonl", "swapped", "target-as-draft", "prompt-and-file",
         "system-without-chat", "thinking-without-chat", "messages-without-chat", "bad-messages", "too-long",
-        "pallas-on-cpu"])
+        "pallas-on-cpu", "page-larger-than-the-model"])
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, args, message):
     """Input errors on the embedded default model (which has no chat template), before any weights load."""
     from dflash_jax import generate
@@ -441,6 +446,35 @@ def test_cli_warnings_print_as_one_line():
         assert warnings.formatwarning("made for 36 layers", UserWarning, "x.py", 3) == "warning: made for 36 layers\n"
         assert warnings.formatwarning("old", DeprecationWarning, "x.py", 3) == "DeprecationWarning: old\n"
     assert warnings.formatwarning is before
+
+
+def test_cli_warns_of_what_it_ignores(model_dirs, tmp_path, monkeypatch, capsys):
+    """--baseline with no draft, --top-p/--top-k when greedy and stop ids outside the vocabulary
+    each print one warning before the weights load (stopped there here)."""
+    import shutil
+    import warnings
+
+    from dflash_jax import generate
+
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before the weights")
+
+    monkeypatch.setattr(generate, "load_target", stop)
+    target = tmp_path / "target"
+    shutil.copytree(model_dirs[0], target)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 99999]}))
+    with pytest.warns(UserWarning) as record:
+        assert generate.main(["--target", str(target), "--no-draft", "--baseline", "--top-k", "5"]) == 2
+    assert [str(w.message) for w in record] == [
+        "--baseline compares DFlash with plain decoding; with no draft there is nothing to compare",
+        "--top-p and --top-k shape sampling; at --temperature 0 decoding is greedy and ignores them",
+        f"{target}: stop token id(s) [99999] lie outside the vocabulary "
+        f"({generate.load_target_config(target).vocab_size} tokens) and can never stop a sequence"]
+    assert capsys.readouterr().err == "error: stopped before the weights\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sampling with the stop ids of the model: nothing to warn of
+        assert generate.main(["--target", str(model_dirs[0]), "--no-draft", "--temperature", "0.5",
+                              "--top-p", "0.9"]) == 2
 
 
 def test_cli_draft_without_target_names_the_embedded_target(model_dirs, capsys):

@@ -87,6 +87,19 @@ def test_head_dim_and_kv_heads_default_as_transformers():
     assert config.num_kv_heads == hf.num_key_value_heads == 4
 
 
+def test_absent_fields_default_as_transformers():
+    """Each optional field a config.json may leave out takes Qwen3Config's default."""
+    from transformers import Qwen3Config
+
+    raw = qwen3_raw()
+    for field in ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings"):
+        raw.pop(field, None)
+    config, hf = ModelConfig.from_hf(raw), Qwen3Config.from_dict(raw)
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    assert config.rms_norm_eps == hf.rms_norm_eps
+    assert config.max_position_embeddings == hf.max_position_embeddings
+
+
 def test_tied_layer_types_and_eos_forms():
     raw = qwen3_raw(tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
                     sliding_window=128, use_sliding_window=True, eos_token_id=[5, 7])

@@ -95,6 +95,30 @@ def baseline(spec_pair):
 # Losslessness and reference parity on the high-acceptance pair
 
 
+def test_a_stop_token_just_past_the_cut_does_not_count(spec_pair, baseline):
+    """Each row is cut at max_new_tokens c where its (c+1)-th greedy token, new until there, is
+    its stop token: a block may propose that token, but the row must end at c, cut by length."""
+    prompts, expected = baseline
+    candidates = [[c for c in range(2, MAX_NEW - 1) if expected[b][c] not in expected[b][:c]] for b in range(4)]
+    assert all(candidates)
+    for k in range(3):
+        cuts = [cands[min(k, len(cands) - 1)] for cands in candidates]
+        out = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=cuts,
+                       stop_token_ids=[[expected[b][c]] for b, c in enumerate(cuts)], impl="reference")
+        assert out.tokens == [expected[b][:c] for b, c in enumerate(cuts)]
+        assert out.stats.finish_reasons == ["length"] * 4
+
+
+def test_a_flat_stop_list_applies_to_every_row(spec_pair, baseline):
+    prompts, expected = baseline
+    stop = expected[1][6]
+    flat = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                    stop_token_ids=[stop], impl="reference")
+    per_row = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                       stop_token_ids=[[stop]] * 4, impl="reference")
+    assert flat.tokens == per_row.tokens and flat.tokens[1] == expected[1][:expected[1].index(stop) + 1]
+
+
 @pytest.mark.parametrize("block", [2, 4, 16])
 def test_lossless_and_reference_parity_with_stops_and_cuts(spec_pair, baseline, block):
     pair = spec_pair

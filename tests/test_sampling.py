@@ -117,6 +117,24 @@ def test_accept_sampling_equal_distributions_always_accept():
         assert _gof(observed, p[b, pos]) > 1e-3
 
 
+def test_accept_sampling_bonus_after_a_shortened_block():
+    """A block cut to 2 slots (block_lens) whose one draft is accepted: the bonus is drawn from
+    the target's distribution at the next slot (p[1]: tokens 2 and 3, half each), not from a
+    residual at a slot past the block (q and p differ there)."""
+    q = np.zeros((1, 2, 4), np.float32)
+    q[0, 0, 0] = q[0, 1, 2] = 1.0
+    p = np.zeros((1, 3, 4), np.float32)
+    p[0, 0, 0] = 1.0
+    p[0, 1, 2:] = 0.5
+    p[0, 2, 1] = 1.0
+    keys = jax.random.split(jax.random.key(0), 4000)
+    accepted, bonus = jax.vmap(lambda key: accept_sampling(key, jnp.asarray([[0, 2]]), jnp.asarray(q), jnp.asarray(p),
+                                                           jnp.asarray([2])))(keys)
+    assert (np.asarray(accepted) == 1).all()
+    assert set(np.asarray(bonus).ravel().tolist()) == {2, 3}
+    assert stats.binomtest(int((np.asarray(bonus) == 2).sum()), 4000, 0.5).pvalue > 1e-3
+
+
 def test_accept_sampling_disjoint_support_samples_residual():
     vocab = 6
     q = np.zeros((1, 2, vocab), np.float32)

@@ -76,6 +76,37 @@ def test_blocks_labels_weights_and_visibility_by_hand():
     assert "".join("1" if v else "0" for v in row) == "00000000" "00001111"
 
 
+def test_labels_past_the_row_are_not_supervised():
+    """Position 7 is supervised, but a block anchored at 5 reaches past the row's end (8): its
+    third label does not exist and must not count."""
+    tokens = jnp.arange(10, 18, dtype=jnp.int32)[None]
+    blocks = data.make_blocks(tokens, jnp.ones((1, 8), bool), jnp.array([[5]], jnp.int32), 4, 99)
+    assert blocks.label_mask.tolist() == [[[True, True, False]]]
+
+
+def test_draft_loss_by_hand(random_pair):
+    """The loss is the weighted mean cross entropy of the draft's logits for block slots 1..B-1
+    (the slots inference reads; slot 0 holds the anchor's known token) against the next tokens,
+    weights exp(-k / gamma) where a label is supervised."""
+    from dflash_jax import draft as draft_model
+
+    target, draft = random_pair.target, random_pair.draft
+    config = dataclasses.replace(draft.config, block_size=4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 127, (1, 12)), jnp.int32)
+    loss_mask = jnp.asarray([[0, 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1]], bool)
+    anchors = jnp.asarray([[3, 6, 9]], jnp.int32)
+    loss, _ = train_draft.draft_loss(draft.params, target.params, tokens, loss_mask, anchors, config=config,
+                                     target_config=target.config, gamma=2.0, dtype=jnp.float32)
+    _, taps = train_draft.causal_forward(target.params, target.config, tokens, config.target_layer_ids)
+    blocks = data.make_blocks(tokens, loss_mask, anchors, 4, config.mask_token_id)
+    hidden = train_draft.draft_block_hidden(draft.params, config, target.params, taps, blocks, anchors)
+    logits = draft_model.draft_logits(draft.params, config, target.params, hidden.reshape(1, 3, 4, -1)[:, :, 1:])
+    cross_entropy = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, blocks.labels))
+    weights = np.exp(-np.arange(3) / 2.0)[None, None] * np.asarray(blocks.label_mask)
+    assert 0 < weights.sum() and not np.asarray(blocks.label_mask).all()  # some labels unsupervised
+    np.testing.assert_allclose(float(loss), (cross_entropy * weights).sum() / weights.sum(), rtol=1e-5)
+
+
 def test_token_files_and_prompt_response_rows(tmp_path):
     rows = data.prompt_response_rows([[1, 2], [3]], [[4, 5, 6], [7, 8, 9, 10, 11]], seq_len=5, pad_id=0)
     assert rows.tokens.tolist() == [[1, 2, 4, 5, 6], [3, 7, 8, 9, 10]]
@@ -350,6 +381,7 @@ def test_draft_cli_rejects_contradictory_options(capsys):
                                                   "--regen-batch", "--regenerate", "--gamma", "--time-budget")),
     (train_draft.main, "--steps", "-3"), (train_draft.main, "--gamma", "nan"), (train_draft.main, "--seq-len", "1"),
     (train_draft.main, "--regen-temperature", "-1"), (train_draft.main, "--regen-temperature", "nan"),
+    (train_draft.main, "--block-size", "1"),
     *((train_target.main, flag, "0") for flag in ("--steps", "--save-every", "--batch", "--kv-heads", "--time-budget")),
     (train_target.main, "--seq-len", "1"), (train_target.main, "--steps", "many"),
     *((main, "--seed", value) for main in (train_draft.main, train_target.main) for value in ("-1", str(2**32))),
@@ -449,13 +481,17 @@ def test_eval_only_prints_an_untimed_speedup_as_na(trained, monkeypatch, capsys)
     def untimed(target, draft, prompts, *, max_new_tokens, temperature):
         # what evaluate_tau returns when plain decoding timed no tokens (--eval-new-tokens 1)
         assert len(prompts) == 2 and max_new_tokens == 1
-        return {"temperature": temperature, "tau": 1.0, "speedup": None, "tokens_per_second": 0.0,
-                "plain_tokens_per_second": 0.0}
+        return {"temperature": temperature, "tau": 1.0, "speedup": None, "tokens_per_second": None,
+                "plain_tokens_per_second": None}
 
     monkeypatch.setattr(train_draft, "evaluate_tau", untimed)
     train_draft.main(["--target", str(root / "target"), "--out", str(root / "draft"), "--dtype", "float32",
                       "--eval-only", "--eval-prompts", "2", "--eval-new-tokens", "1"])
-    assert capsys.readouterr().out.count("speedup n/a") == 2
+    out = capsys.readouterr().out
+    assert out.count("speedup n/a (n/a vs n/a tok/s)") == 2
+    assert "train_draft: evaluating at T=0.7: 2 prompts x 1 new tokens, with the draft and without ..." in out
+    assert out.strip().endswith(f"train_draft: wrote {root / 'draft.eval.json'}")
+    assert json.loads((root / "draft.eval.json").read_text())[1]["tokens_per_second"] is None
 
 
 def test_resume_reads_back_the_regenerated_responses(trained, tmp_path, monkeypatch):
@@ -646,6 +682,19 @@ def test_reference_dflash_generate_matches_ours(trained, monkeypatch):
     assert ours.tokens[0] == ref.output_ids[0, len(tokens):].tolist()
     assert ours.stats.accept_lengths[0] == ref.acceptance_lengths
     assert max(ref.acceptance_lengths) > 1, "the draft should get some tokens accepted"
+
+
+def test_a_vocabulary_smaller_than_bytes_warns(tmp_path):
+    """A byte-level BPE holds at least the 256 bytes and its special tokens: a smaller
+    --vocab-size is raised to that, with a warning saying so."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.py", "b.py", "c.py"):
+        (corpus / name).write_text("def f(x):\n    return x + 1\n" * 20)
+    train = train_target.TargetTrainConfig(shape=train_target.TinyTargetShape(vocab_size=100), seq_len=16)
+    with pytest.warns(UserWarning, match=r"the tokenizer has \d+ tokens, not the 100 asked for"):
+        run = train_target.open_target_run(tmp_path / "target", train, corpus=corpus)
+    assert run.config.vocab_size > 256
 
 
 def test_target_shape_must_suit_the_kernels():
