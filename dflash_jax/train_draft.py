@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import shutil
@@ -49,7 +50,8 @@ from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft
 from dflash_jax.sampling import SamplingConfig, leading_run
 from dflash_jax.tokenizer import Tokenizer, add_chat_arguments, chat_options, read_prompt_file, render_prompts
 from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
-                                     claim_run_folders, global_norm, make_optimizer, run_recipe, run_training)
+                                     claim_run_folders, global_norm, lies_within, make_optimizer, run_recipe,
+                                     run_training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,10 +304,10 @@ def read_training_data(specs: Sequence[str]) -> tuple[dict[Path, data.TokenRows]
             text_paths += data.source_files(data.stdlib_root() if spec == "stdlib" else spec)[0]
             continue
         for path in data.expand_paths([spec]):
-            if path.suffix == ".jsonl":
+            if path.suffix.lower() == ".jsonl":
                 raise ValueError(f"--data {path}: JSON Lines files are not read as training data (they would be "
                                  "trained on as raw text); pass text files, folders of *.py or .npz token files")
-            if path.suffix == ".npz":
+            if path.suffix.lower() == ".npz":
                 token_files[path] = data.load_token_file(path)
             else:
                 text_paths.append(path)
@@ -593,6 +595,12 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
     if file_prompts:
         data_record.update(prompts=str(Path(args.prompts).absolute()), chat=args.chat,
                            prompts_sha256=_prompts_digest(file_prompts))
+    read_or_written = [("--save-data", args.save_data), ("--prompts", args.prompts)] + [
+        ("--data", path) for entry in args.data for path in (glob.glob(entry) or [entry]) if entry != "stdlib"]
+    for flag, path in read_or_written:
+        if path and lies_within(Path(path), Path(args.out)):
+            raise ValueError(f"{flag} {path} lies in --out {args.out}, which the export replaces whole: "
+                             "keep it outside --out")
     ckpt_dir = open_draft_run(target_config, args.target, args.out, draft_config, train, data_record,
                               ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
     target = load_target(args.target, dtype=args.dtype)
@@ -621,7 +629,11 @@ def _file_prompts(args) -> list[list[int]]:
 
 
 def _prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
-    return hashlib.sha256(np.concatenate([np.asarray(p, np.int64) for p in prompts]).tobytes()).hexdigest()
+    """A digest of the prompts, where each one ends included ([[5, 6], [7]] is not [[5], [6, 7]])."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(np.asarray([len(prompt), *prompt], np.int64).tobytes())
+    return digest.hexdigest()
 
 
 def _training_rows(args, target: Target, tokenizer, eos_id: int | None, token_files: dict[Path, data.TokenRows],

@@ -152,7 +152,7 @@ def _differences(stored, now, prefix: str = "") -> list[str]:
     return [] if stored == now else [f"{prefix.rstrip('.')}: {stored!r} in the stored run, {now!r} now"]
 
 
-def _within(path: Path, folder: Path) -> bool:
+def lies_within(path: Path, folder: Path) -> bool:
     """Whether ``path`` is ``folder`` or lies inside it."""
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
@@ -170,11 +170,11 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
     Raises FileNotFoundError / FileExistsError / ValueError before writing anything; deletes
     nothing."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    if _within(ckpt_dir, out_dir):
+    if lies_within(ckpt_dir, out_dir):
         raise ValueError(f"--ckpt-dir {ckpt_dir} lies in --out {out_dir}, which the export replaces whole: "
                          "choose a --ckpt-dir outside it")
     for flag, folder in (inputs or {}).items():
-        if _within(Path(folder), out_dir) or _within(out_dir, Path(folder)):
+        if lies_within(Path(folder), out_dir) or lies_within(out_dir, Path(folder)):
             raise ValueError(f"--out {out_dir} and {flag} {folder} are the same folder or one holds the other, "
                              "and the export replaces --out whole: choose an --out apart from it")
     steps = saved_steps(ckpt_dir)
@@ -219,7 +219,8 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
     from the latest one (callers first claim ``ckpt_dir`` with ``claim_run_folders``).
 
     With ``time_budget`` (seconds, compile included; on a resumed run, for the steps left) the
-    pace of the first 3-12 steps run decides the number of steps that fit, and the schedule is
+    run ends at the first step that finds it spent; before that, the pace of the first 3-12
+    steps run decides the number of steps that fit, and the schedule is
     laid out over that many (recorded in schedule.json for resuming); when the run then goes
     slower (evaluations, checkpoints, a busy machine) the schedule is shortened to end on time.
     ``evaluate(params)`` (held-out metrics) runs every ``eval_every`` steps and at the end.
@@ -271,7 +272,14 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                 bar.update(1)
                 now = step_times[step] = time.perf_counter()
                 step_times.pop(step - window - 1, None)
-                if pace_from is not None and step == pace_from:
+                if pace_from is not None and now - began >= time_budget:
+                    # the budget ran out before the pace was measured (slow first steps, or too few
+                    # steps left to measure it): end here
+                    total, pace_from = step, None
+                    write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total})
+                    bar.total = total
+                    bar.write(f"{desc}: the time budget ran out after step {step}")
+                elif pace_from is not None and step == pace_from:
                     paced = (step, now)
                 elif pace_from is not None and step == pace_from + 10:
                     per_step = (now - paced[1]) / 10

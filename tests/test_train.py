@@ -415,7 +415,21 @@ def test_draft_data_is_checked_before_the_target_loads(trained, tmp_path, monkey
     data.save_token_file(tmp_path / "foreign.npz", data.TokenRows(np.full((3, 8), 500, np.int32), np.ones((3, 8), bool)))
     assert (f"--data {tmp_path / 'foreign.npz'}: token ids span [500, 500], outside the target's vocabulary"
             in cli_error(train_draft.main, base + ["--data", str(tmp_path / "foreign.npz")], capsys))
-    assert not (tmp_path / "draft.ckpt").exists()
+    # files the run reads or writes inside --out, which the export replaces whole
+    out = Path(base[base.index("--out") + 1])
+    out.mkdir()
+    data.save_token_file(out / "rows.npz", rows)
+    (out / "rows.npz").rename(out / "rows.NPZ")  # a token file, whatever the suffix's case
+    for extra, message in ((["--data", TEXT_GLOB, "--save-data", str(out / "saved.npz")],
+                            f"--save-data {out / 'saved.npz'} lies in --out {out}"),
+                           (["--data", str(out / "rows.NPZ")], f"--data {out / 'rows.NPZ'} lies in --out {out}")):
+        assert message in cli_error(train_draft.main, base + extra, capsys)
+    assert not (tmp_path / "draft.ckpt").exists() and not (out / "saved.npz").exists()
+    assert list(train_draft.read_training_data([str(out / "rows.NPZ")])[0]) == [out / "rows.NPZ"]
+
+
+def test_prompt_digest_sees_where_prompts_end():
+    assert train_draft._prompts_digest([[5, 6, 7], [8]]) != train_draft._prompts_digest([[5], [6, 7, 8]])
 
 
 def test_mask_token_is_past_the_largest_tokenizer_id(tmp_path):
@@ -738,6 +752,19 @@ def test_schedule_and_time_budget(tmp_path):
     total = json.loads((tmp_path / "slowing" / "schedule.json").read_text())["total_steps"]
     assert int(state.step) == len(history) == total and seconds < 3.0  # unchecked: ~5.6 s
     assert history[-1]["loss"] == pytest.approx(optim.learning_rate(total - 1, total))
+
+    # Steps slower than the budget allows before the pace is measured (3-12 steps): the run ends
+    # at the first step that finds the budget spent.
+    def slow_step(state, learning_rate):
+        time.sleep(0.2)
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)}, opt_state=())
+    began = time.perf_counter()
+    state, history = train_target.run_training(
+        state, slow_step, lambda step: (), optim=dataclasses.replace(optim, steps=40), ckpt_dir=tmp_path / "slow",
+        save_every=1000, resume=False, desc="budget", postfix=lambda m: {}, time_budget=0.5)
+    assert int(state.step) == len(history) <= 4 and time.perf_counter() - began < 1.5  # unchecked: 12 steps
 
 
 def test_corpus_special_token_strings_stay_text_and_dangling_links_are_skipped(tmp_path):
