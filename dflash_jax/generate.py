@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -120,14 +121,38 @@ def _per_sequence(value, batch: int, name: str) -> list:
     return [value] * batch
 
 
-def _stop_array(stop_token_ids, batch: int) -> np.ndarray:
-    """[batch, S] stop ids, -1 padded; S a power of two (few shapes to compile)."""
+def _integers(values, name: str) -> list[int]:
+    """``values`` (a sequence or array of integers) as ints; ValueError naming ``name`` otherwise
+    (floats would be truncated silently)."""
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}")
+    return array.tolist()
+
+
+def _stop_lists(stop_token_ids, batch: int, vocab_size: int) -> list[list[int]]:
+    """Each row's stop ids from None, one id, one list for every row or a list per row (lists,
+    tuples or arrays); ids outside the vocabulary are named in a warning (they never stop)."""
     if stop_token_ids is None:
-        rows = [[] for _ in range(batch)]
-    elif all(isinstance(t, (int, np.integer)) for t in stop_token_ids):
-        rows = [list(stop_token_ids)] * batch
+        return [[] for _ in range(batch)]
+    def scalar(x) -> bool:  # a number, numpy's and jax's 0-d arrays included
+        return isinstance(x, numbers.Number) or getattr(x, "ndim", None) == 0
+
+    items = [stop_token_ids] if scalar(stop_token_ids) else list(stop_token_ids)
+    if all(scalar(item) for item in items):  # one list for every row
+        rows = [_integers(items, "stop_token_ids")] * batch
     else:
-        rows = _per_sequence(list(stop_token_ids), batch, "stop_token_ids")
+        rows = [_integers(row, f"stop_token_ids[{i}]")
+                for i, row in enumerate(_per_sequence(items, batch, "stop_token_ids"))]
+    outside = sorted({t for row in rows for t in row if not 0 <= t < vocab_size})
+    if outside:
+        warnings.warn(f"stop token id(s) {outside} lie outside the vocabulary ({vocab_size} tokens) and can "
+                      "never stop a sequence", stacklevel=3)
+    return rows
+
+
+def _stop_array(rows: list[list[int]]) -> np.ndarray:
+    """[batch, S] stop ids, -1 padded; S a power of two (few shapes to compile)."""
     width = next_power_of_2(max(1, max(len(r) for r in rows)))
     return np.array([list(r) + [-1] * (width - len(r)) for r in rows], np.int32)
 
@@ -204,6 +229,8 @@ class PreparedGeneration:
         """Prefill and decode until every sequence is done (``generate`` documents the arguments)."""
         if self.config.accept_replay != (replay_alpha is not None):
             raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
+        if replay_alpha is not None and not 0 <= replay_alpha <= 1:
+            raise ValueError(f"replay_alpha (an acceptance probability) must be in [0, 1], got {replay_alpha}")
         batch = self.inputs[0].shape[0]
         start = time.perf_counter()
         state = jax.block_until_ready(self.prefill(seed))
@@ -239,12 +266,13 @@ def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
     vocab, limit = config.vocab_size, config.max_position_embeddings
-    max_new = [int(n) for n in _per_sequence(max_new_tokens, len(prompts), "max_new_tokens")]
+    max_new = _integers(_per_sequence(max_new_tokens, len(prompts), "max_new_tokens"), "max_new_tokens")
     if min(max_new) < 1:
         raise ValueError("max_new_tokens must be >= 1")
     for i, (prompt, m) in enumerate(zip(prompts, max_new)):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
+        _integers(prompt, f"prompt {i}")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
         n = len(prompt)
@@ -285,6 +313,8 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
         block_size = draft.config.block_size if block_size is None else block_size
     elif block_size not in (None, 1):
         raise ValueError("block_size needs a draft")
+    elif accept_replay:
+        raise ValueError("accept_replay replays the acceptance of a draft's proposals: it needs a draft")
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
                         block_size=1 if block_size is None else block_size, impl=impl, accept_replay=accept_replay)
 
@@ -307,7 +337,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
     inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
-              jnp.asarray(_stop_array(stop_token_ids, batch)))
+              jnp.asarray(_stop_array(_stop_lists(stop_token_ids, batch, target.config.vocab_size))))
     max_steps = _bucket(max(max_new))  # buffers; each row stops at its own max_new_tokens
     num_steps = chunk_steps or max_steps
     if chunk_steps is not None and chunk_steps < 1:
@@ -549,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
-        outside = [i for i in tokenizer.stop_token_ids if not 0 <= i < target_config.vocab_size]
-        if outside:
+        stop_ids = [i for i in tokenizer.stop_token_ids if 0 <= i < target_config.vocab_size]
+        if len(stop_ids) < len(tokenizer.stop_token_ids):
+            outside = sorted(set(tokenizer.stop_token_ids) - set(stop_ids))
             warnings.warn(f"{target_dir}: stop token id(s) {outside} lie outside the vocabulary "
                           f"({target_config.vocab_size} tokens) and can never stop a sequence")
         texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
@@ -574,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         # Prepared (checked and compiled) before the prompt is echoed, so a bad setting is one
         # error line, not a half-printed answer.
         prepared = prepare(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
-                           sampling=sampling, stop_token_ids=tokenizer.stop_token_ids,
+                           sampling=sampling, stop_token_ids=stop_ids,
                            block_size=args.block_size if use_draft else None, page_size=args.page_size,
                            impl=args.impl, chunk_steps=args.chunk_steps, steps_per_check=args.steps_per_check)
         printer = TextStream(tokenizer)

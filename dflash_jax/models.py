@@ -30,11 +30,15 @@ class Draft:
 
 
 def _dtype(dtype):
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return DTYPES[dtype]
-    return dtype
+    """One of ``DTYPES``, by name or as a dtype; ValueError for anything else (an int8 would fail
+    deep in the model, a float64 without x64 turn into float32)."""
+    try:
+        name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[name]
 
 
 def _restore_converted(path: Path, kind: str, init, progress: bool):

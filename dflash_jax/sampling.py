@@ -42,8 +42,8 @@ class SamplingConfig:
             if not 0 < self.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
             self._derive("nucleus", self.top_p < 1)
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.greedy is None or self.nucleus is None:
             raise TypeError("give temperature and top_p as numbers (greedy and nucleus derive from them)")
 

@@ -16,6 +16,14 @@ def test_default_pair_fits_its_budget():
     assert max(p.stat().st_size for p in files) <= 16 * 2**20
 
 
+def test_load_takes_the_three_float_dtypes_by_name_or_object():
+    import jax.numpy as jnp
+    for dtype in ("int8", jnp.int8, jnp.float64, "f32"):
+        with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\]"):
+            load_target(DEFAULT_MODEL / "target", dtype)
+    assert load_target(DEFAULT_MODEL / "target", jnp.float16).params.embed.dtype == jnp.float16
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = load_target(DEFAULT_MODEL / "target", "float32")

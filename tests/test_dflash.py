@@ -571,6 +571,43 @@ def test_pages_follow_each_rows_own_length_and_the_capacity_error_names_the_prom
         generate(spec_pair.target, [[1] * limit], max_new_tokens=1, impl="reference")
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    ({"prompts": [[1.0, 2.0, 3.0]]}, "prompt 0 must be a sequence of integers"),
+    ({"max_new_tokens": 3.9}, "max_new_tokens must be a sequence of integers"),
+    ({"stop_token_ids": [5, [6]]}, "stop_token_ids has 2 entries for 1 prompts"),
+    ({"prompts": [[1, 2], [3]], "stop_token_ids": [5, [6]]}, r"stop_token_ids\[0\] must be a sequence of integers"),
+    ({"stop_token_ids": [5.0]}, "stop_token_ids must be a sequence of integers"),
+    ({"accept_replay": -0.5}, r"replay_alpha \(an acceptance probability\) must be in \[0, 1\], got -0.5"),
+    ({"accept_replay": 0.5, "draft": None}, "accept_replay replays the acceptance of a draft's proposals"),
+    ({"sampling": "top_k=2.5"}, "top_k must be an integer >= 0, got 2.5"),
+])
+def test_generate_refuses_what_it_would_truncate_or_ignore(spec_pair, kwargs, error):
+    """Floats where ids or counts go (they would be truncated), a stop list mixing forms, a
+    replay probability outside [0, 1] or without a draft, a fractional top_k: a ValueError naming
+    the argument, before any compile."""
+    args = {"prompts": [[1, 2, 3]], "draft": spec_pair.draft, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=error):
+        if args.get("sampling") == "top_k=2.5":
+            SamplingConfig(temperature=1.0, top_k=2.5)
+        generate(spec_pair.target, args.pop("prompts"), impl="reference", **args)
+
+
+def test_stop_ids_as_arrays_one_id_and_outside_the_vocabulary(spec_pair, baseline):
+    """A numpy or jax array, or one int, is one stop list for every row; ids outside the
+    vocabulary are named in a warning (they can never stop a sequence)."""
+    prompts, expected = baseline
+    stop = expected[1][6]
+    want = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                    stop_token_ids=[[stop]] * 4, impl="reference").tokens
+    for form in (np.asarray([stop]), jnp.asarray([stop]), stop, np.int32(stop)):
+        got = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                       stop_token_ids=form, impl="reference").tokens
+        assert got == want, type(form)
+    vocab = spec_pair.target.config.vocab_size
+    with pytest.warns(UserWarning, match=rf"stop token id\(s\) \[{vocab}\] lie outside the vocabulary"):
+        generate(spec_pair.target, prompts[:1], max_new_tokens=2, stop_token_ids=[stop, vocab], impl="reference")
+
+
 def test_kv_cache_that_does_not_fit_the_device_is_refused(spec_pair, monkeypatch):
     from dflash_jax import generate as generate_module
 
