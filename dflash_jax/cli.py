@@ -73,6 +73,11 @@ def reported_as_errors() -> Iterator[None]:
         raise SystemExit(2) from None
 
 
+def or_na(value: float | None, template: str) -> str:
+    """``template.format(value)``, or "n/a" when ``value`` is undefined (None or NaN)."""
+    return "n/a" if value is None or math.isnan(value) else template.format(value)
+
+
 @contextlib.contextmanager
 def named_as_flags(names: Iterable[str]) -> Iterator[None]:
     """Within it, a ValueError that names one of the library arguments ``names`` (``top_p``)

@@ -25,7 +25,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import interrupt_exits, named_as_flags, one_line_warnings
+from dflash_jax.cli import interrupt_exits, named_as_flags, one_line_warnings, or_na
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -133,22 +133,28 @@ def _integers(values, name: str) -> list[int]:
 def _stop_lists(stop_token_ids, batch: int, vocab_size: int) -> list[list[int]]:
     """Each row's stop ids from None, one id, one list for every row or a list per row (lists,
     tuples or arrays); ids outside the vocabulary are named in a warning (they never stop)."""
-    if stop_token_ids is None:
-        return [[] for _ in range(batch)]
     def scalar(x) -> bool:  # a number, numpy's and jax's 0-d arrays included
         return isinstance(x, numbers.Number) or getattr(x, "ndim", None) == 0
 
+    if stop_token_ids is None:
+        return [[] for _ in range(batch)]
     items = [stop_token_ids] if scalar(stop_token_ids) else list(stop_token_ids)
     if all(scalar(item) for item in items):  # one list for every row
         rows = [_integers(items, "stop_token_ids")] * batch
     else:
         rows = [_integers(row, f"stop_token_ids[{i}]")
                 for i, row in enumerate(_per_sequence(items, batch, "stop_token_ids"))]
-    outside = sorted({t for row in rows for t in row if not 0 <= t < vocab_size})
-    if outside:
-        warnings.warn(f"stop token id(s) {outside} lie outside the vocabulary ({vocab_size} tokens) and can "
-                      "never stop a sequence", stacklevel=3)
+    in_vocabulary([t for row in rows for t in row], vocab_size)
     return rows
+
+
+def in_vocabulary(stop_ids: Sequence[int], vocab_size: int, source: str = "") -> list[int]:
+    """The stop ids that a sequence can emit; a warning (prefixed ``source``) names the others."""
+    outside = sorted({t for t in stop_ids if not 0 <= t < vocab_size})
+    if outside:
+        warnings.warn(f"{source}stop token id(s) {outside} lie outside the vocabulary ({vocab_size} tokens) and "
+                      "can never stop a sequence", stacklevel=2)
+    return [t for t in stop_ids if 0 <= t < vocab_size]
 
 
 def _stop_array(rows: list[list[int]]) -> np.ndarray:
@@ -464,14 +470,9 @@ def _out_of_memory_as_error():
                          "batch, a smaller --max-new-tokens or a smaller --page-size") from error
 
 
-def _format(value: float | None, template: str) -> str:
-    """``template.format(value)``, or "n/a" when ``value`` is undefined (None or NaN)."""
-    return "n/a" if value is None or math.isnan(value) else template.format(value)
-
-
 def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None:
     stats = result.stats
-    print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {_format(stats.tokens_per_second, '{:.1f}')} tok/s decode, "
+    print(f"\n[{label}] {sum(stats.new_tokens)} tokens, {or_na(stats.tokens_per_second, '{:.1f}')} tok/s decode, "
           f"time to first token {stats.time_to_first_token * 1e3:.1f} ms "
           f"(compile {stats.compile_seconds:.1f} s, not counted)", file=sys.stderr)
     stopped = stats.finish_reasons.count("stop")
@@ -479,7 +480,7 @@ def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None
           "--max-new-tokens", file=sys.stderr)
     if with_draft:
         hist = stats.histogram()
-        print(f"[{label}] tau (mean accepted length, bonus included) {_format(stats.tau, '{:.2f}')} over "
+        print(f"[{label}] tau (mean accepted length, bonus included) {or_na(stats.tau, '{:.2f}')} over "
               f"{sum(stats.steps)} steps; block {stats.block_size}", file=sys.stderr)
         print(f"[{label}] accepted-length histogram 1..{stats.block_size}: {hist}", file=sys.stderr)
         rates = " ".join(f"{r:.2f}" for r in stats.position_acceptance())
@@ -579,11 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
                                  f"trained block size), got {args.block_size}")
         tokenizer = Tokenizer(target_dir)
-        stop_ids = [i for i in tokenizer.stop_token_ids if 0 <= i < target_config.vocab_size]
-        if len(stop_ids) < len(tokenizer.stop_token_ids):
-            outside = sorted(set(tokenizer.stop_token_ids) - set(stop_ids))
-            warnings.warn(f"{target_dir}: stop token id(s) {outside} lie outside the vocabulary "
-                          f"({target_config.vocab_size} tokens) and can never stop a sequence")
+        stop_ids = in_vocabulary(tokenizer.stop_token_ids, target_config.vocab_size, f"{target_dir}: ")
         texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
         prompts = [tokenizer.encode(t) for t in texts]
         check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
@@ -636,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_stats("plain", base, False)
         speedup = result.stats.speedup_over(base.stats)
         identical = base.tokens == result.tokens
-        print(f"[compare] speedup {_format(speedup, '{:.2f}x')} over plain decoding; "
+        print(f"[compare] speedup {or_na(speedup, '{:.2f}x')} over plain decoding; "
               f"outputs identical: {identical}" + ("" if sampling.greedy else " (sampling: not expected)"),
               file=sys.stderr)
         if not identical and sampling.greedy:

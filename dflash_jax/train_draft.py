@@ -42,8 +42,8 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, interrupt_exits, non_negative_float, one_line_warnings, positive_float,
-                            random_seed, reported_as_errors)
+from dflash_jax.cli import (at_least, interrupt_exits, non_negative_float, one_line_warnings, or_na,
+                            positive_float, random_seed, reported_as_errors)
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -544,10 +544,9 @@ def main(argv: list[str] | None = None) -> None:
                                           f"{args.eval_new_tokens} new tokens, with the draft and without"):
                 results.append(r := evaluate_tau(target, draft, eval_prompts, max_new_tokens=args.eval_new_tokens,
                                                  temperature=temperature))
-            number = lambda x, template: "n/a" if x is None else template.format(x)  # noqa: E731
-            print(f"eval T={temperature}: tau {number(r['tau'], '{:.3f}')}, speedup "
-                  f"{number(r['speedup'], '{:.2f}x')} ({number(r['tokens_per_second'], '{:.0f}')} vs "
-                  f"{number(r['plain_tokens_per_second'], '{:.0f}')} tok/s)")
+            print(f"eval T={temperature}: tau {or_na(r['tau'], '{:.3f}')}, speedup "
+                  f"{or_na(r['speedup'], '{:.2f}x')} ({or_na(r['tokens_per_second'], '{:.0f}')} vs "
+                  f"{or_na(r['plain_tokens_per_second'], '{:.0f}')} tok/s)")
         path = Path(args.out).with_name(Path(args.out).name + ".eval.json")
         path.write_text(json.dumps(results, indent=1))
         print(f"train_draft: wrote {path}")
