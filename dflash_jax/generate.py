@@ -278,8 +278,8 @@ def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],
     for i, (prompt, m) in enumerate(zip(prompts, max_new)):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty")
-        _integers(prompt, f"prompt {i}")
-        if min(prompt) < 0 or max(prompt) >= vocab:
+        ids = _integers(prompt, f"prompt {i}")
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
         n = len(prompt)
         if n + m > limit:
