@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
 import hashlib
 import json
 import shutil
@@ -594,8 +593,11 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
     if file_prompts:
         data_record.update(prompts=str(Path(args.prompts).absolute()), chat=args.chat,
                            prompts_sha256=_prompts_digest(file_prompts))
+    specs = [spec for spec in args.data if spec != "stdlib"]  # folders as themselves, the rest as files
+    folders = [Path(spec) for spec in specs if Path(spec).is_dir()]
+    files = data.expand_paths([spec for spec in specs if not Path(spec).is_dir()])
     read_or_written = [("--save-data", args.save_data), ("--prompts", args.prompts)] + [
-        ("--data", path) for entry in args.data for path in (glob.glob(entry) or [entry]) if entry != "stdlib"]
+        ("--data", path) for path in folders + files]
     for flag, path in read_or_written:
         if path and lies_within(Path(path), Path(args.out)):
             raise ValueError(f"{flag} {path} lies in --out {args.out}, which the export replaces whole: "
