@@ -253,6 +253,13 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
         window, step_times = max(10, eval_every), {}
         pending = []  # (step, metrics on the device) not logged yet
 
+        def reschedule(message: str, per_step: float | None = None) -> None:
+            """Record the new ``total`` (for resuming), show it on the bar and say why."""
+            write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total} | (
+                {} if per_step is None else {"seconds_per_step": per_step}))
+            bar.total = total
+            bar.write(f"{desc}: {message}")
+
         def log_pending() -> None:
             for done, metrics in pending:
                 metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
@@ -276,27 +283,22 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
                     # the budget ran out before the pace was measured (slow first steps, or too few
                     # steps left to measure it): end here
                     total, pace_from = step, None
-                    write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total})
-                    bar.total = total
-                    bar.write(f"{desc}: the time budget ran out after step {step}")
+                    reschedule(f"the time budget ran out after step {step}")
                 elif pace_from is not None and step == pace_from:
                     paced = (step, now)
                 elif pace_from is not None and step == pace_from + 10:
                     per_step = (now - paced[1]) / 10
                     total = min(total, step + max(0, int((time_budget - (now - began)) / per_step)))
-                    write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total, "seconds_per_step": per_step})
-                    bar.total, pace_from = total, None
-                    bar.write(f"{desc}: {per_step * 1e3:.1f} ms/step, {total} steps fit the time budget")
+                    pace_from = None
+                    reschedule(f"{per_step * 1e3:.1f} ms/step, {total} steps fit the time budget", per_step)
                 elif paced is not None and pace_from is None and paced[0] < step < total:
                     # the recent pace, evaluations and checkpoints included
                     since = max(paced[0], step - window)
                     per_step = (now - step_times.get(since, paced[1])) / (step - since)
                     if (now - began) + (total - step) * per_step > 1.05 * time_budget:
                         total = step + max(0, int((time_budget - (now - began)) / per_step))
-                        write_json(ckpt_dir / SCHEDULE_FILE, {"total_steps": total, "seconds_per_step": per_step})
-                        bar.total = total
-                        bar.write(f"{desc}: slower than planned ({per_step * 1e3:.1f} ms/step lately), "
-                                  f"schedule shortened to {total} steps")
+                        reschedule(f"slower than planned ({per_step * 1e3:.1f} ms/step lately), schedule "
+                                   f"shortened to {total} steps", per_step)
                 if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
                     log_pending()
                     history[-1].update(evaluate(state.params))
