@@ -222,8 +222,10 @@ class PreparedGeneration:
         return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
                                jax.random.key(seed), self.sampling)
 
-    def chunk(self, state: DecodeState, replay_alpha: float | None = None) -> DecodeState:
-        alpha = None if replay_alpha is None else jnp.float32(replay_alpha)
+    def chunk(self, state: DecodeState, replay_alpha: float | jax.Array | None = None) -> DecodeState:
+        """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated). A
+        ``replay_alpha`` already on the device (a float32 scalar) is passed as is."""
+        alpha = None if replay_alpha is None else jnp.asarray(replay_alpha, jnp.float32)
         return self.chunk_fn(self.target.params, self._draft_params, state, alpha)
 
     @property
@@ -232,29 +234,44 @@ class PreparedGeneration:
 
     def run(self, seed: int = 0, *, on_chunk: Callable[[list[list[int]]], None] | None = None,
             replay_alpha: float | None = None) -> GenerationResult:
-        """Prefill and decode until every sequence is done (``generate`` documents the arguments)."""
+        """Prefill and decode until every sequence is done (``generate`` documents the arguments).
+
+        The next chunk is dispatched before ``on_chunk`` sees the last one's tokens: where the call
+        returns before the chunk is computed (CPU; on a GPU the on-device loop makes it return at
+        the end), the host streams while the device decodes. ``decode_seconds`` runs from the
+        first chunk's dispatch until the last chunk's results reach the host; the last
+        ``on_chunk`` call comes after it."""
         if self.config.accept_replay != (replay_alpha is not None):
             raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
         if replay_alpha is not None and not 0 <= replay_alpha <= 1:
             raise ValueError(f"replay_alpha (an acceptance probability) must be in [0, 1], got {replay_alpha}")
+        alpha = None if replay_alpha is None else jax.device_put(np.float32(replay_alpha))
         batch = self.inputs[0].shape[0]
         start = time.perf_counter()
         state = jax.block_until_ready(self.prefill(seed))
         prefill_seconds = time.perf_counter() - start
+
+        def fetch(state):  # one host transfer: done flags, counts and, when streaming, the tokens
+            done, counts, *tokens = jax.device_get((state.done, state.num_generated)
+                                                   + ((state.tokens,) if on_chunk else ()))
+            return done, counts, (_generated(tokens[0], counts) if tokens else None)
+
+        streamed = None  # tokens for on_chunk, shown while the next chunk runs
         if on_chunk is not None:  # the prefill's token: streamed text starts at the time to first token
-            counts, out = jax.device_get((state.num_generated, state.tokens))
-            on_chunk(_generated(out, counts))
+            _, _, streamed = fetch(state)
         start = time.perf_counter()
         while True:
-            state = self.chunk(state, replay_alpha)
-            done, counts, out = jax.device_get((state.done, state.num_generated, state.tokens))
-            if on_chunk is not None:
-                on_chunk(_generated(out, counts))
+            state = self.chunk(state, alpha)
+            if streamed is not None:
+                on_chunk(streamed)
+            done, counts, streamed = fetch(state)
             if done.all():
                 break
         decode_seconds = time.perf_counter() - start
+        if streamed is not None:
+            on_chunk(streamed)
 
-        steps, accept, stops = jax.device_get((state.steps, state.accept_lengths, self.inputs[3]))
+        steps, accept, out, stops = jax.device_get((state.steps, state.accept_lengths, state.tokens, self.inputs[3]))
         finish = ["stop" if counts[i] and out[i, counts[i] - 1] in set(stops[i].tolist()) - {-1} else "length"
                   for i in range(batch)]
         stats = GenerationStats(accept_lengths=_generated(accept, steps),

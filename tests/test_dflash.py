@@ -210,6 +210,31 @@ def test_stop_lists_first_token_stop_and_streaming(spec_pair, baseline):
     assert chunks[-1] == out.tokens
 
 
+def test_streaming_runs_while_the_next_chunk_decodes(spec_pair, baseline, monkeypatch):
+    """``run`` dispatches each chunk before showing the previous tokens (the host streams while
+    the device decodes), and stops the decode clock before the last ``on_chunk`` call. A clock
+    that only the callback advances measures what of the callback's time is counted."""
+    import dflash_jax.generate as gen
+
+    prompts, expected = baseline
+    prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                           impl="reference", chunk_steps=3)
+    events, clock = [], [0.0]
+    compiled = prepared.chunk_fn
+    prepared.chunk_fn = lambda *args: (events.append("chunk"), compiled(*args))[1]
+    monkeypatch.setattr(gen, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    def on_chunk(tokens):
+        events.append("stream")
+        clock[0] += 100.0
+
+    out = prepared.run(on_chunk=on_chunk)
+    assert out.tokens == expected
+    chunks = events.count("chunk")
+    assert chunks >= 3 and events == ["chunk", "stream"] * chunks + ["stream"]
+    assert out.stats.decode_seconds == 100.0 * chunks  # the prefill's and the middle ones; not the last
+
+
 def test_steps_per_check_changes_nothing_but_speed(spec_pair, baseline):
     """Checking for finished rows every 4 steps instead of every step: rows that stop mid-group
     (first token, later stop tokens, max_new_tokens) come out exactly the same, stats included."""
