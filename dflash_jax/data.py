@@ -105,13 +105,16 @@ def data_digest(texts: Iterable[str], token_files: Iterable[TokenRows] = ()) -> 
 
 
 def expand_paths(patterns: Sequence[str]) -> list[Path]:
-    """Files named by paths or glob patterns (recursive ``**`` allowed), sorted, de-duplicated."""
+    """Files named by paths or glob patterns (recursive ``**`` allowed), sorted, de-duplicated.
+    FileNotFoundError for a pattern that names no file, folders only included."""
     found = set()
     for pattern in patterns:
         matches = glob.glob(pattern, recursive=True) or ([pattern] if Path(pattern).exists() else [])
-        if not matches:
-            raise FileNotFoundError(f"no file matches {pattern!r}")
-        found.update(Path(m) for m in matches if Path(m).is_file())
+        files = [Path(m) for m in matches if Path(m).is_file()]
+        if not files:
+            raise FileNotFoundError(f"{pattern!r} matches folders only, no file" if matches
+                                    else f"no file matches {pattern!r}")
+        found.update(files)
     return sorted(found)
 
 

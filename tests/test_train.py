@@ -118,6 +118,11 @@ def test_token_files_and_prompt_response_rows(tmp_path):
     assert (loaded[tmp_path / "rows.npz"].tokens == rows.tokens).all()
     assert (loaded[tmp_path / "rows.npz"].loss_mask == rows.loss_mask).all()
     assert data.concat_rows([rows, rows]).tokens.shape == (4, 5)
+    (tmp_path / "more" / "deeper").mkdir(parents=True)  # a glob that finds folders only adds nothing: refused
+    with pytest.raises(FileNotFoundError, match="folders only"):
+        train_draft.read_training_data([str(tmp_path / "*"), str(tmp_path / "m*")])
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        data.expand_paths([str(tmp_path / "x*")])
     first = rows.batch(3, 4, seed=0)[0]
     assert (first == rows.batch(3, 4, seed=0)[0]).all()
 
