@@ -6,6 +6,7 @@ A *token file* (``.npz``) holds fixed-length rows: ``tokens`` [N, T] int32 and `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -13,8 +14,9 @@ import json
 import sys
 import sysconfig
 import warnings
+import zipfile
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -220,20 +222,48 @@ def prompt_response_rows(prompts: Sequence[Sequence[int]], responses: Sequence[S
 
 
 def save_token_file(path: str | Path, rows: TokenRows, *, record: str | None = None) -> None:
-    """Rows as .npz; ``record`` (optional text) says what they were made from."""
+    """Rows as .npz; ``record`` (optional text) says what they were made from. Written whole or
+    not at all (a hidden sibling renamed into place), so an interrupted save leaves no truncated
+    file that reads as complete."""
+    path = Path(path)
     extra = {} if record is None else {"record": np.array(record)}
-    np.savez_compressed(path, tokens=rows.tokens, loss_mask=rows.loss_mask, **extra)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with open(partial, "wb") as file:  # a file, not a name: savez would append ".npz" to it
+            np.savez_compressed(file, tokens=rows.tokens, loss_mask=rows.loss_mask, **extra)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _token_file(path: str | Path) -> Iterator[np.lib.npyio.NpzFile]:
+    """``np.load`` of a token file, arrays read inside the block; ValueError naming the file
+    when it is damaged (a truncated or corrupt archive) or not a token file."""
+    damaged = (ValueError, EOFError, zipfile.BadZipFile, zlib.error)  # opening it, reading an array
+    try:
+        arrays = np.load(path)
+    except damaged as error:
+        raise ValueError(f"{path}: not a readable token file ({error})") from None
+    with arrays:
+        if not {"tokens", "loss_mask"} <= set(arrays.files):
+            raise ValueError(f"{path}: not a token file (it holds {sorted(arrays.files)}, not tokens and loss_mask)")
+        try:
+            yield arrays
+        except damaged as error:
+            raise ValueError(f"{path}: a damaged token file ({error})") from None
 
 
 def load_token_file(path: str | Path) -> TokenRows:
-    with np.load(path) as data:
-        return TokenRows(data["tokens"].astype(np.int32), data["loss_mask"].astype(bool))
+    with _token_file(path) as arrays:
+        return TokenRows(arrays["tokens"].astype(np.int32), arrays["loss_mask"].astype(bool))
 
 
 def token_file_record(path: str | Path) -> str | None:
     """The ``record`` a token file was saved with, if any."""
-    with np.load(path) as data:
-        return str(data["record"]) if "record" in data else None
+    with _token_file(path) as arrays:
+        return str(arrays["record"]) if "record" in arrays else None
 
 
 def concat_rows(parts: Sequence[TokenRows]) -> TokenRows:

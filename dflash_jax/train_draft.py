@@ -394,14 +394,10 @@ def regenerated_rows(ckpt_dir: Path, record: dict, make: Callable[..., data.Toke
     parts_dir.mkdir(exist_ok=True)
 
     def keep(first: int, rows: data.TokenRows) -> None:
-        partial = parts_dir / f"partial-{first}.npz"
-        data.save_token_file(partial, rows, record=key)
-        partial.replace(parts_dir / f"{first:09d}.npz")  # whole or absent
+        data.save_token_file(parts_dir / f"{first:09d}.npz", rows, record=key)
 
     rows = make(done=done, on_batch=keep)
-    partial = path.with_name("regenerated.partial.npz")
-    data.save_token_file(partial, rows, record=key)
-    partial.replace(path)  # whole or absent: an interrupted save is never read back
+    data.save_token_file(path, rows, record=key)
     shutil.rmtree(parts_dir)
     return rows
 

@@ -127,6 +127,38 @@ def test_token_files_and_prompt_response_rows(tmp_path):
     assert (first == rows.batch(3, 4, seed=0)[0]).all()
 
 
+def test_token_files_are_written_whole_and_damaged_ones_are_refused_by_name(tmp_path, monkeypatch):
+    """An interrupted save leaves the old file as it was and nothing else; a truncated, corrupt or
+    foreign .npz is a ValueError naming it (train_draft's CLI prints it as one error line)."""
+    rows = data.prompt_response_rows([[1, 2]], [[4, 5, 6]], seq_len=5, pad_id=0)
+    path = tmp_path / "rows.npz"
+    data.save_token_file(path, rows)
+    whole = path.read_bytes()
+
+    def interrupted(file, **arrays):
+        file.write(b"PK half an archive")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez_compressed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.save_token_file(path, data.concat_rows([rows, rows]))
+    monkeypatch.undo()
+    assert path.read_bytes() == whole and [p.name for p in tmp_path.iterdir()] == ["rows.npz"]
+
+    tokens = np.arange(4096, dtype=np.int32).reshape(64, 64)
+    np.savez(tmp_path / "stored.npz", tokens=tokens, loss_mask=tokens > 0)  # stored: a flipped byte fails a CRC
+    stored = bytearray((tmp_path / "stored.npz").read_bytes())
+    stored[len(stored) // 3] ^= 0xFF  # inside the tokens
+    np.savez(tmp_path / "foreign.npz", weights=np.zeros(3))
+    damaged = {"truncated.npz": whole[:len(whole) // 2], "flipped.npz": bytes(stored), "empty.npz": b"",
+               "text.npz": b"not an archive"}
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+    for name in list(damaged) + ["foreign.npz"]:
+        with pytest.raises(ValueError, match=f"{name}: (a damaged|not a readable|not a) token file"):
+            train_draft.read_training_data([str(tmp_path / name)])
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_anchored_attention_matches_dense_masked_attention(dtype, tol):
     rows, num, block, seq, heads, kv_heads, dim = 2, 3, 4, 10, 4, 2, 16
