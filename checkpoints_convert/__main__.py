@@ -9,7 +9,7 @@ import signal
 import sys
 
 from checkpoints_convert.convert import convert
-from dflash_jax.cli import one_line_warnings
+from dflash_jax.cli import INTERRUPTED, exit_with, one_line_warnings
 from dflash_jax.models import DTYPES
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except (ValueError, OSError) as error:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
@@ -42,4 +42,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -84,6 +84,20 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
                               "even with --overwrite")
 
 
+def check_writable(out: Path) -> None:
+    """OSError naming ``out`` unless the folder that is to hold it can be made and written into
+    (``atomic_output`` writes a hidden sibling first): for callers with long work before the
+    write, such as training, which would otherwise fail only at its export."""
+    parent = out.absolute().parent
+    probe = parent / f".{out.name}.{secrets.token_hex(4)}.probe"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe.mkdir()
+    except OSError as error:
+        raise OSError(f"cannot write {out}: {error}") from None
+    probe.rmdir()
+
+
 def _apply_umask_permissions(root: Path) -> None:
     """Give everything under ``root`` the permissions of a plain create under the umask: those of
     ``root`` itself (made by mkdir: 0o777 less the umask) for folders, without execute bits for

@@ -1,18 +1,21 @@
 """Pieces shared by the command lines (generate, convert, the training CLIs and the benchmarks):
 argparse types whose bad values are one usage error naming the flag, the one-line report of
-refused input, one-line warnings, and interrupts deferred to the end of a training step."""
+refused input, one-line warnings, interrupts deferred to the end of a training step, and how a
+command line exits."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
+import os
 import re
 import signal
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import NoReturn
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -68,6 +71,8 @@ def reported_as_errors() -> Iterator[None]:
     status 2, as ``python -m dflash_jax.generate`` reports them."""
     try:
         yield
+    except BrokenPipeError:  # not the user's input: the reader of our output left (``exit_with``)
+        raise
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -134,6 +139,9 @@ def deferred_interrupts(what: str) -> Iterator[Callable[[], bool]]:
             signal.signal(sig, old)
 
 
+INTERRUPTED, PIPE_CLOSED = 130, 141  # the shell's statuses for SIGINT and SIGPIPE
+
+
 @contextlib.contextmanager
 def interrupt_exits() -> Iterator[None]:
     """Around a CLI's ``main`` (also a decorator): Ctrl-C (KeyboardInterrupt) ends it with exit
@@ -142,4 +150,26 @@ def interrupt_exits() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
+
+
+def exit_with(main: Callable[[], int | None]) -> NoReturn:
+    """A command line's ``if __name__ == "__main__"``: exit with ``main()``'s status. Output piped
+    into a command that stops reading (``| head``) ends it quietly with status 141, as SIGPIPE
+    ends other tools. An interrupted or cut-off run leaves without tearing the interpreter down:
+    device work may still be in flight, and XLA can crash under it (a segfault after the
+    "interrupted" line)."""
+    try:
+        status = main()
+    except SystemExit as stop:
+        status = stop.code
+    except BrokenPipeError:
+        status = PIPE_CLOSED
+    if status in (INTERRUPTED, PIPE_CLOSED):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # the closed pipe itself
+                pass
+        os._exit(status)
+    sys.exit(status)

@@ -25,7 +25,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import interrupt_exits, named_as_flags, one_line_warnings, or_na
+from dflash_jax.cli import exit_with, interrupt_exits, named_as_flags, one_line_warnings, or_na
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -671,4 +671,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -136,11 +136,12 @@ def check_messages(messages) -> None:
 
 def read_prompt_file(path: str | Path, flag: str) -> list[str | list[dict]]:
     """The prompts of a file given as ``flag``: its non-blank lines (.txt), or per line an object
-    with a "prompt" string or a "messages" chat (.jsonl). UTF-8, a byte-order mark dropped."""
+    with a "prompt" string or a "messages" chat (.jsonl). UTF-8, a byte-order mark dropped. A
+    pipe is read as a file is (``/dev/stdin``, a shell's ``<(...)``), as lines of text."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{flag} {path} is a folder: give a .txt or .jsonl file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{flag} {path} does not exist")
     if path.suffix.lower() == ".json":
         raise ValueError(f"{flag} {path}: a .json file is not read as JSON; write one "

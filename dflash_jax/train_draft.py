@@ -41,8 +41,8 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, interrupt_exits, non_negative_float, one_line_warnings, or_na,
-                            positive_float, random_seed, reported_as_errors)
+from dflash_jax.cli import (at_least, exit_with, interrupt_exits, non_negative_float, one_line_warnings,
+                            or_na, positive_float, random_seed, reported_as_errors)
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -661,4 +661,4 @@ def _training_rows(args, target: Target, tokenizer, eos_id: int | None, token_fi
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

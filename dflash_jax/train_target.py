@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -35,13 +36,13 @@ from flax import struct
 from tqdm import tqdm
 
 from checkpoints_convert import export_target
-from checkpoints_convert.convert import check_replaceable
+from checkpoints_convert.convert import check_replaceable, check_writable
 from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, deferred_interrupts, interrupt_exits, non_negative_float, one_line_warnings,
-                            positive_float, random_seed, reported_as_errors)
+from dflash_jax.cli import (at_least, deferred_interrupts, exit_with, interrupt_exits, non_negative_float,
+                            one_line_warnings, positive_float, random_seed, reported_as_errors)
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 from pallas_kernels.tuning import is_power_of_2
@@ -166,9 +167,9 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
     another run's steps and skip this one's); with it, it must hold checkpoints of an equal
     ``run``. A non-empty ``out_dir`` is replaced only with ``overwrite`` or by a resumed run whose
     run.json records it as its output. The export replaces ``out_dir`` whole, so it must not hold
-    ``ckpt_dir``, nor hold or lie inside the folders of ``inputs`` (flag: folder the run reads).
-    Raises FileNotFoundError / FileExistsError / ValueError before writing anything; deletes
-    nothing."""
+    ``ckpt_dir``, nor hold or lie inside the folders of ``inputs`` (flag: folder the run reads),
+    and the folder that holds it must be writable (made if absent). Raises FileNotFoundError /
+    FileExistsError / ValueError / OSError before writing anything else; deletes nothing."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if lies_within(ckpt_dir, out_dir):
         raise ValueError(f"--ckpt-dir {ckpt_dir} lies in --out {out_dir}, which the export replaces whole: "
@@ -205,6 +206,7 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
         raise FileExistsError(f"{out_dir} already exists and is not empty ({why}): pass --overwrite to replace "
                               "it, or choose another --out")
     check_replaceable(out_dir, overwrite=True)  # the export at the end replaces only a model folder
+    check_writable(out_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     write_json(ckpt_dir / RUN_FILE, {**run, "out": str(out_dir.absolute())})
 
@@ -261,59 +263,73 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
             bar.write(f"{desc}: {message}")
 
         def log_pending() -> None:
-            for done, metrics in pending:
+            while pending:
+                done, metrics = pending.pop(0)
                 metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
                 history.append({"step": done, **metrics})
                 bar.set_postfix(postfix(metrics), refresh=False)
-            pending.clear()
+
+        def save(step: int) -> None:
+            log_pending()
+            write_json(ckpt_dir / LOG_FILE, history)  # first: a resume drops steps past its checkpoint
+            manager.save(step, args=ocp.args.StandardSave(state))
+
+        def stopped(why: str) -> None:
+            """After a checkpoint of ``step``: wait for it, and say how to go on (on stderr, where
+            the bar is: stdout may be the closed pipe that stopped the run)."""
+            manager.wait_until_finished()
+            print(f"{desc}: {why} at step {step} of {total}; checkpoint saved in {ckpt_dir}: --resume continues "
+                  "the run", file=sys.stderr, flush=True)
 
         with (tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar,
               deferred_interrupts("finishing the step and saving a checkpoint") as interrupted):
-            while step < total:
-                state, metrics = step_fn(state, jnp.float32(optim.learning_rate(step, total)), *batch_fn(step))
-                step += 1
-                # The previous step's metrics are read while this one runs: the host builds the next
-                # batch while the device works, instead of waiting for each step to end.
-                log_pending()
-                pending.append((step, metrics))
-                bar.update(1)
-                now = step_times[step] = time.perf_counter()
-                step_times.pop(step - window - 1, None)
-                if pace_from is not None and now - began >= time_budget:
-                    # the budget ran out before the pace was measured (slow first steps, or too few
-                    # steps left to measure it): end here
-                    total, pace_from = step, None
-                    reschedule(f"the time budget ran out after step {step}")
-                elif pace_from is not None and step == pace_from:
-                    paced = (step, now)
-                elif pace_from is not None and step == pace_from + 10:
-                    per_step = (now - paced[1]) / 10
-                    total = min(total, step + max(0, int((time_budget - (now - began)) / per_step)))
-                    pace_from = None
-                    reschedule(f"{per_step * 1e3:.1f} ms/step, {total} steps fit the time budget", per_step)
-                elif paced is not None and pace_from is None and paced[0] < step < total:
-                    # the recent pace, evaluations and checkpoints included
-                    since = max(paced[0], step - window)
-                    per_step = (now - step_times.get(since, paced[1])) / (step - since)
-                    if (now - began) + (total - step) * per_step > 1.05 * time_budget:
-                        total = step + max(0, int((time_budget - (now - began)) / per_step))
-                        reschedule(f"slower than planned ({per_step * 1e3:.1f} ms/step lately), schedule "
-                                   f"shortened to {total} steps", per_step)
-                if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
+            try:
+                while step < total:
+                    state, metrics = step_fn(state, jnp.float32(optim.learning_rate(step, total)), *batch_fn(step))
+                    step += 1
+                    # The previous step's metrics are read while this one runs: the host builds the next
+                    # batch while the device works, instead of waiting for each step to end.
                     log_pending()
-                    history[-1].update(evaluate(state.params))
-                    bar.write(f"{desc} step {step}: " + ", ".join(
-                        f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
-                stop = interrupted()  # read once: a signal between two reads would skip the save
-                if step % save_every == 0 or step == total or stop:
-                    log_pending()
-                    write_json(ckpt_dir / LOG_FILE, history)  # first: a resume drops steps past its checkpoint
-                    manager.save(step, args=ocp.args.StandardSave(state))
-                if stop:  # at the last step too: the export and evaluation are left to --resume
-                    manager.wait_until_finished()
-                    bar.write(f"{desc}: interrupted at step {step} of {total}; checkpoint saved in {ckpt_dir}: "
-                              "--resume continues the run")
-                    raise KeyboardInterrupt
+                    pending.append((step, metrics))
+                    bar.update(1)
+                    now = step_times[step] = time.perf_counter()
+                    step_times.pop(step - window - 1, None)
+                    if pace_from is not None and now - began >= time_budget:
+                        # the budget ran out before the pace was measured (slow first steps, or too few
+                        # steps left to measure it): end here
+                        total, pace_from = step, None
+                        reschedule(f"the time budget ran out after step {step}")
+                    elif pace_from is not None and step == pace_from:
+                        paced = (step, now)
+                    elif pace_from is not None and step == pace_from + 10:
+                        per_step = (now - paced[1]) / 10
+                        total = min(total, step + max(0, int((time_budget - (now - began)) / per_step)))
+                        pace_from = None
+                        reschedule(f"{per_step * 1e3:.1f} ms/step, {total} steps fit the time budget", per_step)
+                    elif paced is not None and pace_from is None and paced[0] < step < total:
+                        # the recent pace, evaluations and checkpoints included
+                        since = max(paced[0], step - window)
+                        per_step = (now - step_times.get(since, paced[1])) / (step - since)
+                        if (now - began) + (total - step) * per_step > 1.05 * time_budget:
+                            total = step + max(0, int((time_budget - (now - began)) / per_step))
+                            reschedule(f"slower than planned ({per_step * 1e3:.1f} ms/step lately), schedule "
+                                       f"shortened to {total} steps", per_step)
+                    if evaluate is not None and ((eval_every and step % eval_every == 0) or step == total):
+                        log_pending()
+                        history[-1].update(evaluate(state.params))
+                        bar.write(f"{desc} step {step}: " + ", ".join(
+                            f"{k} {v:.4f}" for k, v in history[-1].items() if k.startswith("heldout")))
+                    stop = interrupted()  # read once: a signal between two reads would skip the save
+                    if step % save_every == 0 or step == total or stop:
+                        save(step)
+                    if stop:  # at the last step too: the export and evaluation are left to --resume
+                        stopped("interrupted")
+                        raise KeyboardInterrupt
+            except BrokenPipeError:  # the reader of the progress left (| head): keep the steps run
+                if manager.latest_step() != step:
+                    save(step)
+                stopped("output closed")
+                raise
         manager.wait_until_finished()
     return state, history
 
@@ -548,4 +564,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

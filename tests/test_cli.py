@@ -363,6 +363,46 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
 
 
+def test_cli_exits_quietly_when_its_reader_leaves_and_cleanly_when_interrupted(model_dirs):
+    """``generate | head -c 20``: status 141 and no traceback. Ctrl-C while the answer streams:
+    status 130 and the one "interrupted" line; the exit does not tear the interpreter down under
+    the chunk still in flight, which used to end some runs in a segfault (``cli.exit_with``)."""
+    import signal
+
+    target_dir, draft_dir = model_dirs
+    command = [sys.executable, "-m", "dflash_jax.generate", "--target", target_dir, "--draft", draft_dir,
+               "--prompt", "def fib", "--max-new-tokens", "3000", "--chunk-steps", "2", "--impl", "reference"]
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    for leave in ("close", "interrupt"):
+        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert len(run.stdout.read(20)) == 20  # the answer is streaming
+        if leave == "close":
+            run.stdout.close()
+        else:
+            run.send_signal(signal.SIGINT)
+        err = run.stderr.read().decode()
+        assert run.wait(timeout=300) == (141 if leave == "close" else 130), err
+        assert "Traceback" not in err and (leave == "close" or err.endswith("interrupted\n")), err
+        if leave == "interrupt":
+            run.stdout.close()
+
+
+def test_batch_file_may_be_a_pipe(tmp_path):
+    """``--batch-file /dev/stdin`` or a shell's ``<(...)`` name a pipe, not a regular file: it is
+    read as lines of text (it used to be refused as a file that "does not exist")."""
+    import os
+    import threading
+
+    from dflash_jax.tokenizer import read_prompt_file
+
+    pipe = tmp_path / "prompts"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_text, args=("def g():\n\nclass A:\n",))
+    writer.start()
+    assert read_prompt_file(pipe, "--batch-file") == ["def g():", "class A:"]
+    writer.join()
+
+
 def test_batch_file_lines_end_at_newlines_only(tmp_path):
     """Form feeds, U+2028 and \\r\\n endings stay inside their prompt (str.splitlines would split)."""
     import argparse

@@ -314,6 +314,11 @@ def test_resume_replaces_only_the_output_its_run_records(tmp_path):
                         (tmp_path / "in" / "x", target)):
         with pytest.raises(ValueError, match="--out"):
             train_target.claim_run_folders(ckpt, out, run, resume=True, overwrite=True, inputs=inputs)
+    # an --out that cannot be written is refused now, not after the training (a file where its folder would be)
+    with pytest.raises(OSError, match="cannot write .*notes.txt/out"):
+        train_target.claim_run_folders(ckpt, tmp_path / "notes" / "notes.txt" / "out", run, resume=True,
+                                       overwrite=False)
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["notes.txt"]
 
 
 def test_draft_output_is_replaced_only_with_overwrite(trained, tmp_path, capsys):
@@ -401,6 +406,29 @@ def test_first_interrupt_ends_training_after_the_step_with_a_checkpoint(tmp_path
         train_target.run_training(state, lambda s, lr: step_fn(s, lr, signal_at=19), lambda step: (),
                                   resume=False, **{**common, "ckpt_dir": last})
     assert train_target.saved_steps(last) == [10, 20]
+
+
+def test_a_closed_output_pipe_ends_training_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """The progress's reader leaving (``| head``: BrokenPipeError from a write) keeps the steps
+    run: a checkpoint at that step, the log, and on stderr how to resume; then the error goes on
+    (the command line exits quietly with 141)."""
+    class ClosedAfterSix(train_target.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            if self.n == 6:
+                raise BrokenPipeError
+
+    monkeypatch.setattr(train_target, "tqdm", ClosedAfterSix)
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)},
+                                    opt_state={"m": jnp.zeros(2)})
+    train_target.claim_run_folders(tmp_path, tmp_path / "out", {}, resume=False, overwrite=False)
+    with pytest.raises(BrokenPipeError):
+        train_target.run_training(state, lambda s, lr: (s.replace(step=s.step + 1), {"loss": lr}),
+                                  lambda step: (), optim=train_target.OptimConfig(steps=20, lr=1e-3),
+                                  ckpt_dir=tmp_path, save_every=10, resume=False, desc="closed", postfix=lambda m: {})
+    assert train_target.saved_steps(tmp_path) == [6]
+    assert [h["step"] for h in json.loads((tmp_path / "train_log.json").read_text())] == list(range(1, 7))
+    assert f"closed: output closed at step 6 of 20; checkpoint saved in {tmp_path}" in capsys.readouterr().err
 
 
 def test_draft_cli_rejects_contradictory_options(capsys):
