@@ -63,8 +63,11 @@ def allocate_pages(tokens_per_seq: list[int], page_size: int, num_pages: int | N
 
     ``num_pages`` defaults to exactly what is needed. With ``rng`` the pages are handed out in
     a random order (tests use it to check that nothing assumes contiguous pages).
-    Raises OutOfPagesError before anything is allocated if the pages do not suffice.
+    Raises OutOfPagesError before anything is allocated if the pages do not suffice, and
+    ValueError for no sequences.
     """
+    if not tokens_per_seq:
+        raise ValueError("allocate_pages needs at least one sequence (tokens_per_seq is empty)")
     needed = [max(1, math.ceil(n / page_size)) for n in tokens_per_seq]
     total = sum(needed)
     if num_pages is None:

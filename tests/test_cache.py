@@ -46,13 +46,20 @@ def test_allocate_permuted_pages():
 
 
 def test_out_of_pages_raises_before_allocating():
+    """One page short is already too few."""
     with pytest.raises(OutOfPagesError, match="need 6 pages") as info:
-        allocate_pages([8, 9, 1], page_size=4, num_pages=4)
-    assert "cache has 4" in str(info.value)
+        allocate_pages([8, 9, 1], page_size=4, num_pages=5)
+    assert "cache has 5" in str(info.value)
     assert issubclass(OutOfPagesError, RuntimeError)
     # exactly enough is fine
     table, num_pages = allocate_pages([8, 9, 1], page_size=4, num_pages=6)
     assert num_pages == 6 and table.shape == (3, 3)
+
+
+def test_allocate_no_sequences_is_a_clear_error():
+    """An empty batch is refused in words, not with max()'s 'empty sequence' error."""
+    with pytest.raises(ValueError, match="at least one sequence"):
+        allocate_pages([], page_size=4)
 
 
 def test_init_cache_groups_shapes_fill_and_properties():
