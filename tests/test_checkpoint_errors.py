@@ -18,8 +18,8 @@ from dflash_jax.models import load_draft, load_target
 from builders import edit_config, speculators_draft_folder, target_folder, zlab_draft_folder
 
 
-def _edit_tensors(directory: Path, edit) -> None:
-    path = directory / "model.safetensors"
+def _edit_tensors(directory: Path, edit, file: str = "model.safetensors") -> None:
+    path = directory / file
     tensors = load_file(str(path))
     edit(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -113,7 +113,9 @@ def test_speculators_full_vocabulary_copies(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_draft(tmp_path / "draft", target, dtype="float32")
-    _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=np.ones(len(embed), np.int64)))
+    one_moved = np.zeros(len(embed), np.int64)
+    one_moved[5] = 1  # draft id 5 is target id 6
+    _edit_tensors(tmp_path / "draft", lambda t: t.update(d2t=one_moved))
     with pytest.raises(CheckpointError, match="d2t maps draft ids to other target ids"):
         load_draft(tmp_path / "draft", target, dtype="float32")
     with pytest.raises(CheckpointError, match="d2t maps draft ids"):  # no target needed
@@ -161,6 +163,16 @@ def test_truncated_shard(tmp_path):
     _convert_fails(tmp_path / "hf", CheckpointError, f"{shard.name}: not a readable safetensors file")
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         load_target(tmp_path / "hf", "float32")
+
+
+def test_tensor_in_two_shards(tmp_path):
+    """A tensor that a second shard holds again (not named by the index) is refused rather than
+    read twice, the later copy silently winning."""
+    target_folder(tmp_path / "hf", max_shard_size="20KB")
+    first, second = sorted((tmp_path / "hf").glob("model-*.safetensors"))[:2]
+    name = next(iter(load_file(str(first))))
+    _edit_tensors(tmp_path / "hf", lambda t: t.update({name: load_file(str(first))[name]}), second.name)
+    _convert_fails(tmp_path / "hf", CheckpointError, f"tensor '{name}' appears in more than one shard")
 
 
 @pytest.mark.parametrize("index", ['{"metadata": {}}', "not json"], ids=["no-weight-map", "not-json"])
@@ -395,11 +407,14 @@ def test_converted_config_edited_after_conversion(target):
         load_target(out)
 
 
-def test_converted_folder_of_a_newer_format(target):
+@pytest.mark.parametrize("version", [1, 99], ids=["older", "newer"])
+def test_converted_folder_of_an_older_or_newer_format(target, version):
+    """Only this library's own format version is read: version 1 folders (unfused q/k/v) too
+    must be converted again."""
     out = target.parent / "out"
     convert(target, out, progress=False)
-    (out / checkpoint.MARKER_FILE).write_text(json.dumps({"format_version": 99, "kind": "target"}))
-    with pytest.raises(CheckpointError, match="format version 99"):
+    (out / checkpoint.MARKER_FILE).write_text(json.dumps({"format_version": version, "kind": "target"}))
+    with pytest.raises(CheckpointError, match=f"format version {version}, this library reads version"):
         load_target(out)
 
 

@@ -476,6 +476,21 @@ def test_text_stream_across_lines_joins_to_the_whole_text():
         assert "\ufffd" not in "".join(pieces[:-1])
 
 
+def test_library_argument_names_become_flags_as_whole_names_only():
+    """named_as_flags turns top_p into --top-p in a refusal, but leaves another name that ends in
+    it (min_top_p) alone, re-raising the error unchanged."""
+    from dflash_jax.cli import named_as_flags
+
+    with pytest.raises(ValueError, match=r"^--top-p must be in \(0, 1\]$"):
+        with named_as_flags(["top_p"]):
+            raise ValueError("top_p must be in (0, 1]")
+    error = ValueError("min_top_p bad")
+    with pytest.raises(ValueError) as info:
+        with named_as_flags(["top_p"]):
+            raise error
+    assert info.value is error and str(error) == "min_top_p bad"
+
+
 def test_cli_warnings_print_as_one_line():
     import warnings
 

@@ -71,20 +71,16 @@ def test_rope_theta_top_level_or_in_rope_parameters():
 
 def test_head_dim_and_kv_heads_default_as_transformers():
     """Qwen3Config's defaults: head_dim 128 (not hidden // heads); 32 KV heads when the field is
-    absent, one per query head when it is null."""
+    absent, whatever the query heads (64 here), and one per query head when it is null."""
     from transformers import Qwen3Config
 
-    raw = qwen3_raw(num_attention_heads=32, hidden_size=64)
+    raw = qwen3_raw(num_attention_heads=64, hidden_size=64)
     del raw["head_dim"]
     del raw["num_key_value_heads"]
-    for kv_field in ({}, {"num_key_value_heads": None}):
+    for kv_field, kv_heads in (({}, 32), ({"num_key_value_heads": None}, 64)):
         config, hf = ModelConfig.from_hf({**raw, **kv_field}), Qwen3Config.from_dict({**raw, **kv_field})
         assert config.head_dim == hf.head_dim == 128
-        assert config.num_kv_heads == hf.num_key_value_heads == 32
-    raw["num_attention_heads"] = 4
-    config, hf = ModelConfig.from_hf({**raw, "num_key_value_heads": None}), Qwen3Config.from_dict(
-        {**raw, "num_key_value_heads": None})
-    assert config.num_kv_heads == hf.num_key_value_heads == 4
+        assert config.num_kv_heads == hf.num_key_value_heads == kv_heads
 
 
 def test_absent_fields_default_as_transformers():
@@ -173,6 +169,7 @@ def test_unsupported_target_settings(overrides, message):
 @pytest.mark.parametrize("overrides, message", [
     (dict(hidden_size=[32]), r"'hidden_size' must be an integer, got \[32\]"),
     (dict(num_hidden_layers=2.5), "'num_hidden_layers' must be an integer"),
+    (dict(num_hidden_layers=True), "'num_hidden_layers' must be an integer, got True"),
     (dict(rms_norm_eps="1e-6"), "'rms_norm_eps' must be a number"),
     (dict(rope_parameters="x"), "'rope_parameters' must be an object"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": True}), "'rope_theta' must be a number"),
@@ -180,8 +177,8 @@ def test_unsupported_target_settings(overrides, message):
     (dict(layer_types="full_attention"), "'layer_types' must be a list"),
     (dict(eos_token_id="2"), "'eos_token_id' must be an integer"),
     (dict(use_sliding_window=True, sliding_window="4096"), "'sliding_window' must be an integer"),
-], ids=["hidden-list", "layers-float", "eps-str", "rope-str", "theta-bool", "tied-str", "layer-types-str",
-        "eos-str", "window-str"])
+], ids=["hidden-list", "layers-float", "layers-bool", "eps-str", "rope-str", "theta-bool", "tied-str",
+        "layer-types-str", "eos-str", "window-str"])
 def test_wrongly_typed_target_field_is_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(qwen3_raw(**overrides))
@@ -269,7 +266,8 @@ def test_zlab_draft_options_and_defaults():
     (lambda raw: (raw["dflash_config"].pop("target_layer_ids"), raw.pop("num_target_layers")), "target_layer_ids"),
     (lambda raw: (raw.pop("dflash_config"), raw.update(architectures=["Qwen3ForCausalLM"])), "DFlash"),
     (lambda raw: raw.pop("hidden_size"), "hidden_size"),
-], ids=["mask", "layer-ids", "not-dflash", "hidden"])
+    (lambda raw: raw.update(block_size=1), "block_size must be >= 2, got 1"),
+], ids=["mask", "layer-ids", "not-dflash", "hidden", "block-size"])
 def test_zlab_draft_errors(edit, message):
     raw = zlab_raw()
     edit(raw)

@@ -128,15 +128,20 @@ def test_speculators_draft_round_trip(tmp_path, draft_vocab):
         assert converted.params.lm_head is None and converted.params.d2t is None
 
 
-def test_export_draft_loads_in_reference_with_identical_weights(tmp_path):
+@pytest.mark.parametrize("is_causal, causal", [(None, [True, False]), (True, [True, True])],
+                         ids=["sliding-causal", "is-causal"])
+def test_export_draft_loads_in_reference_with_identical_weights(tmp_path, is_causal, causal):
+    """The reference's causality comes back: its default rule (the sliding layer causal) with no
+    is_causal written, and a draft whose is_causal makes every layer causal with that flag."""
     from dflash.model import DFlashDraftModel
 
-    original = zlab_draft_folder(tmp_path / "draft")
+    original = zlab_draft_folder(tmp_path / "draft", **({} if is_causal is None else {"is_causal": is_causal}))
     draft = load_draft(tmp_path / "draft", dtype="float32")
     out = export_draft(draft.config, draft.params, tmp_path / "exported", max_shard_mb=1)
+    assert json.loads((out / "config.json").read_text()).get("is_causal") == is_causal
     reloaded = DFlashDraftModel.from_pretrained(out)
     assert reloaded.target_layer_ids == [1, 2] and reloaded.block_size == 4 and reloaded.mask_token_id == 100
-    assert [layer.self_attn.is_causal for layer in reloaded.layers] == [True, False]
+    assert [layer.self_attn.is_causal for layer in reloaded.layers] == causal
     assert_same_state_dict(reloaded.state_dict(), original.state_dict())
     again = load_draft(out, dtype="float32")
     assert again.config == draft.config
@@ -157,9 +162,10 @@ def test_export_draft_casts_and_reads_back(tmp_path):
 def test_export_target_loads_in_transformers_with_identical_weights(tmp_path, tied):
     from transformers import Qwen3ForCausalLM
 
-    # 768 kB embedding (3000 x 64 f32) + 2 x 400 kB of MLP: max_shard_mb=1 must shard.
+    # 768 kB embedding (3000 x 64 f32) + 2 layers of 510 kB (3 x 162 kB of MLP): max_shard_mb=1
+    # must shard, and MB means 10**6 bytes: the two layers (1.02 MB) fit 1 MiB but not one shard.
     original = target_folder(tmp_path / "hf", tie_word_embeddings=tied, vocab_size=3000, hidden_size=64,
-                           intermediate_size=512, eos_token_id=[5, 7])
+                           intermediate_size=632, eos_token_id=[5, 7])
     target = load_target(tmp_path / "hf", dtype="float32")
     out = export_target(target.config, target.params, tmp_path / "exported", max_shard_mb=1)
     files = sorted(out.glob("*.safetensors"))

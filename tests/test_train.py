@@ -64,6 +64,7 @@ def test_blocks_labels_weights_and_visibility_by_hand():
     assert gamma == pytest.approx(1.75)
     np.testing.assert_allclose(data.position_weights(4, gamma), np.exp(-np.arange(3) / 1.75), rtol=1e-6)
     assert data.default_gamma(16) == 7.0
+    assert data.default_gamma(10) == 5.0 and data.default_gamma(8) == 4.0  # the paper's other block sizes
 
     # rows: block queries; columns: context positions 0..7, then the 8 block keys.
     expected = ["11000000" "11110000"] * 4 + ["11111000" "00001111"] * 4
@@ -125,6 +126,17 @@ def test_token_files_and_prompt_response_rows(tmp_path):
         data.expand_paths([str(tmp_path / "x*")])
     first = rows.batch(3, 4, seed=0)[0]
     assert (first == rows.batch(3, 4, seed=0)[0]).all()
+    many = data.TokenRows(np.arange(128, dtype=np.int32).reshape(64, 2), np.ones((64, 2), bool))
+    assert (many.batch(0, 8, seed=0)[0] != many.batch(1, 8, seed=0)[0]).any()  # each step draws its own rows
+
+
+def test_expand_paths_globs_recursively(tmp_path):
+    """``**`` in a --data pattern reaches files at any depth, the top folder's own included."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.txt").write_text("x")
+    (tmp_path / "y.txt").write_text("y")
+    found = data.expand_paths([str(tmp_path / "**" / "*.txt")])
+    assert found == [tmp_path / "a" / "b" / "x.txt", tmp_path / "y.txt"]
 
 
 def test_token_files_are_written_whole_and_damaged_ones_are_refused_by_name(tmp_path, monkeypatch):
