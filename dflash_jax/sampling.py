@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 1.18e-38, float32's smallest normal number
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_p"],
                    meta_fields=["top_k", "greedy", "nucleus"])
 @dataclasses.dataclass(frozen=True)
@@ -33,14 +36,20 @@ class SamplingConfig:
     nucleus: bool | None = None
 
     def __post_init__(self):
-        # jax rebuilds the config with traced (or placeholder) leaves: only numbers are checked
+        # jax rebuilds the config with traced (or placeholder) leaves: only numbers are checked.
+        # Sampling runs in float32: outside its normal range a temperature or top_p becomes 0,
+        # or its inverse does, and the probabilities NaN (every token then reads as id 0).
         if isinstance(self.temperature, numbers.Real):
             if not (math.isfinite(self.temperature) and self.temperature >= 0):
                 raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            if self.temperature > 0 and not _F32_TINY <= self.temperature <= 1 / _F32_TINY:
+                raise ValueError(f"temperature must be 0 or in [{_F32_TINY:.3g}, {1 / _F32_TINY:.3g}] (float32's "
+                                 f"normal range, where sampling is computed), got {self.temperature}")
             self._derive("greedy", self.temperature <= 0)
         if isinstance(self.top_p, numbers.Real):
-            if not 0 < self.top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            if not _F32_TINY <= self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1] and at least {_F32_TINY:.3g} (float32's smallest "
+                                 f"normal number), got {self.top_p}")
             self._derive("nucleus", self.top_p < 1)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")

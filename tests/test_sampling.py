@@ -63,9 +63,14 @@ def test_tiny_temperature_is_argmax_not_nan():
 
 def test_sampling_config_validation_and_greedy():
     for bad in (dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
-                dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+                dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                # outside float32's normal range: 0 or its inverse 0 in float32, NaN probabilities
+                dict(temperature=1e-40), dict(temperature=1e38), dict(top_p=1e-40)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+    logits = jnp.asarray([[1.0, 3.0, 2.0, -jnp.inf]])  # -inf: a reduced-vocabulary draft's
+    for edge in (dict(temperature=1.2e-38), dict(temperature=8e37), dict(temperature=1.0, top_p=1.2e-38)):
+        assert np.isfinite(np.asarray(sampling_probs(logits, SamplingConfig(**edge).as_arrays()))).all()
     assert SamplingConfig().greedy and not SamplingConfig(temperature=0.5).greedy
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 11)), jnp.float32)
     picked = choose(jax.random.key(0), logits, SamplingConfig())
