@@ -47,7 +47,7 @@ from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
 from dflash_jax.cli import at_least  # noqa: E402
 from dflash_jax.decode import default_steps_per_check  # noqa: E402
-from dflash_jax.generate import PreparedGeneration, prepare  # noqa: E402
+from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
@@ -162,12 +162,12 @@ def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None,
     then time one chunk (under the JAX profiler, writing a Perfetto trace into ``trace_dir``,
     when given)."""
     state = jax.block_until_ready(prep.prefill(seed))
-    alpha = None if alpha is None else jax.device_put(np.float32(alpha))  # no host copy in the timed chunk
+    replay = replay_alpha_array(alpha)
     traced = contextlib.nullcontext() if trace_dir is None else jax.profiler.trace(
         str(trace_dir), create_perfetto_trace=True)
     with traced:
         start = time.perf_counter()
-        state = jax.block_until_ready(prep.chunk(state, alpha))
+        state = jax.block_until_ready(prep.chunk(state, replay))
         seconds = time.perf_counter() - start
     steps, taken, accepted = jax.device_get((state.iteration, state.steps, state.accept_lengths))
     if not (taken == steps).all():

@@ -85,13 +85,13 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
 
 
 def check_writable(out: Path) -> None:
-    """OSError naming ``out`` unless the folder that is to hold it can be made and written into
-    (``atomic_output`` writes a hidden sibling first): for callers with long work before the
-    write, such as training, which would otherwise fail only at its export."""
-    parent = out.absolute().parent
-    probe = parent / f".{out.name}.{secrets.token_hex(4)}.probe"
+    """OSError naming ``out`` unless it could be written: its nearest existing ancestor folder
+    takes a new folder (``atomic_output`` makes the missing ones and a hidden sibling of ``out``).
+    For callers with long work before the write, such as training, which would otherwise fail
+    only at its export; leaves nothing behind."""
+    ancestor = next(folder for folder in out.absolute().parents if folder.exists())
+    probe = ancestor / f".{out.name}.{secrets.token_hex(4)}.probe"
     try:
-        parent.mkdir(parents=True, exist_ok=True)
         probe.mkdir()
     except OSError as error:
         raise OSError(f"cannot write {out}: {error}") from None

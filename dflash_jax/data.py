@@ -246,6 +246,8 @@ def _token_file(path: str | Path) -> Iterator[np.lib.npyio.NpzFile]:
         arrays = np.load(path)
     except damaged as error:
         raise ValueError(f"{path}: not a readable token file ({error})") from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):  # one .npy array under an .npz name
+        raise ValueError(f"{path}: not a token file (one array, not an .npz archive of tokens and loss_mask)")
     with arrays:
         if not {"tokens", "loss_mask"} <= set(arrays.files):
             raise ValueError(f"{path}: not a token file (it holds {sorted(arrays.files)}, not tokens and loss_mask)")

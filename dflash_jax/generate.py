@@ -174,6 +174,14 @@ def _bucket(n: int, per_doubling: int = 8) -> int:
     return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
 
 
+def replay_alpha_array(replay_alpha: float | jax.Array | None) -> jax.Array | None:
+    """A replay acceptance probability as the float32 device scalar a decode chunk takes, so a
+    timed chunk copies nothing to the device (an array already is one, and is passed as is)."""
+    if replay_alpha is None or isinstance(replay_alpha, jax.Array):
+        return replay_alpha
+    return jax.device_put(np.float32(replay_alpha))
+
+
 def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     """Each row of a host buffer [B, N] (tokens, accept lengths) cut at its count [B]."""
     return [row[:count].tolist() for row, count in zip(rows, counts)]
@@ -223,10 +231,9 @@ class PreparedGeneration:
                                jax.random.key(seed), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | jax.Array | None = None) -> DecodeState:
-        """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated). A
-        ``replay_alpha`` already on the device (a float32 scalar) is passed as is."""
-        alpha = None if replay_alpha is None else jnp.asarray(replay_alpha, jnp.float32)
-        return self.chunk_fn(self.target.params, self._draft_params, state, alpha)
+        """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated); a
+        ``replay_alpha`` from ``replay_alpha_array`` is passed without a host-to-device copy."""
+        return self.chunk_fn(self.target.params, self._draft_params, state, replay_alpha_array(replay_alpha))
 
     @property
     def _draft_params(self):
@@ -235,41 +242,33 @@ class PreparedGeneration:
     def run(self, seed: int = 0, *, on_chunk: Callable[[list[list[int]]], None] | None = None,
             replay_alpha: float | None = None) -> GenerationResult:
         """Prefill and decode until every sequence is done (``generate`` documents the arguments).
-
-        The next chunk is dispatched before ``on_chunk`` sees the last one's tokens: where the call
-        returns before the chunk is computed (CPU; on a GPU the on-device loop makes it return at
-        the end), the host streams while the device decodes. ``decode_seconds`` runs from the
-        first chunk's dispatch until the last chunk's results reach the host; the last
-        ``on_chunk`` call comes after it."""
+        ``on_chunk`` gets each chunk's tokens as soon as they reach the host; the time it takes
+        is counted in neither ``prefill_seconds`` nor ``decode_seconds``."""
         if self.config.accept_replay != (replay_alpha is not None):
             raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
         if replay_alpha is not None and not 0 <= replay_alpha <= 1:
             raise ValueError(f"replay_alpha (an acceptance probability) must be in [0, 1], got {replay_alpha}")
-        alpha = None if replay_alpha is None else jax.device_put(np.float32(replay_alpha))
+        alpha = replay_alpha_array(replay_alpha)
         batch = self.inputs[0].shape[0]
         start = time.perf_counter()
         state = jax.block_until_ready(self.prefill(seed))
         prefill_seconds = time.perf_counter() - start
-
-        def fetch(state):  # one host transfer: done flags, counts and, when streaming, the tokens
-            done, counts, *tokens = jax.device_get((state.done, state.num_generated)
-                                                   + ((state.tokens,) if on_chunk else ()))
-            return done, counts, (_generated(tokens[0], counts) if tokens else None)
-
-        streamed = None  # tokens for on_chunk, shown while the next chunk runs
         if on_chunk is not None:  # the prefill's token: streamed text starts at the time to first token
-            _, _, streamed = fetch(state)
+            counts, tokens = jax.device_get((state.num_generated, state.tokens))
+            on_chunk(_generated(tokens, counts))
         start = time.perf_counter()
+        streaming_seconds = 0.0  # on_chunk's, taken out of decode_seconds
         while True:
             state = self.chunk(state, alpha)
-            if streamed is not None:
-                on_chunk(streamed)
-            done, counts, streamed = fetch(state)
+            done, counts, *tokens = jax.device_get((state.done, state.num_generated)
+                                                   + ((state.tokens,) if on_chunk else ()))
+            if tokens:
+                shown = time.perf_counter()
+                on_chunk(_generated(tokens[0], counts))
+                streaming_seconds += time.perf_counter() - shown
             if done.all():
                 break
-        decode_seconds = time.perf_counter() - start
-        if streamed is not None:
-            on_chunk(streamed)
+        decode_seconds = time.perf_counter() - start - streaming_seconds
 
         steps, accept, out, stops = jax.device_get((state.steps, state.accept_lengths, state.tokens, self.inputs[3]))
         finish = ["stop" if counts[i] and out[i, counts[i] - 1] in set(stops[i].tolist()) - {-1} else "length"

@@ -47,9 +47,11 @@ class SamplingConfig:
                                  f"normal range, where sampling is computed), got {self.temperature}")
             self._derive("greedy", self.temperature <= 0)
         if isinstance(self.top_p, numbers.Real):
-            if not _F32_TINY <= self.top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1] and at least {_F32_TINY:.3g} (float32's smallest "
-                                 f"normal number), got {self.top_p}")
+            if not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            if self.top_p < _F32_TINY:
+                raise ValueError(f"top_p must be at least {_F32_TINY:.3g} (float32's smallest normal number), "
+                                 f"got {self.top_p}")
             self._derive("nucleus", self.top_p < 1)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")

@@ -168,8 +168,8 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
     ``run``. A non-empty ``out_dir`` is replaced only with ``overwrite`` or by a resumed run whose
     run.json records it as its output. The export replaces ``out_dir`` whole, so it must not hold
     ``ckpt_dir``, nor hold or lie inside the folders of ``inputs`` (flag: folder the run reads),
-    and the folder that holds it must be writable (made if absent). Raises FileNotFoundError /
-    FileExistsError / ValueError / OSError before writing anything else; deletes nothing."""
+    and it must be writable (``check_writable``). Raises FileNotFoundError / FileExistsError /
+    ValueError / OSError before writing anything; deletes nothing."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if lies_within(ckpt_dir, out_dir):
         raise ValueError(f"--ckpt-dir {ckpt_dir} lies in --out {out_dir}, which the export replaces whole: "
@@ -278,8 +278,8 @@ def run_training(state: TrainState, step_fn: Callable, batch_fn: Callable[[int],
             """After a checkpoint of ``step``: wait for it, and say how to go on (on stderr, where
             the bar is: stdout may be the closed pipe that stopped the run)."""
             manager.wait_until_finished()
-            print(f"{desc}: {why} at step {step} of {total}; checkpoint saved in {ckpt_dir}: --resume continues "
-                  "the run", file=sys.stderr, flush=True)
+            bar.write(f"{desc}: {why} at step {step} of {total}; checkpoint saved in {ckpt_dir}: --resume "
+                      "continues the run", file=sys.stderr)
 
         with (tqdm(total=total, initial=first, desc=desc, dynamic_ncols=True) as bar,
               deferred_interrupts("finishing the step and saving a checkpoint") as interrupted):

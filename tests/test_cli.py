@@ -397,7 +397,8 @@ def test_batch_file_may_be_a_pipe(tmp_path):
 
     pipe = tmp_path / "prompts"
     os.mkfifo(pipe)
-    writer = threading.Thread(target=pipe.write_text, args=("def g():\n\nclass A:\n",))
+    # a daemon: were the pipe refused, the writer would wait for a reader for ever
+    writer = threading.Thread(target=pipe.write_text, args=("def g():\n\nclass A:\n",), daemon=True)
     writer.start()
     assert read_prompt_file(pipe, "--batch-file") == ["def g():", "class A:"]
     writer.join()

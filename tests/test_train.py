@@ -162,11 +162,13 @@ def test_token_files_are_written_whole_and_damaged_ones_are_refused_by_name(tmp_
     stored = bytearray((tmp_path / "stored.npz").read_bytes())
     stored[len(stored) // 3] ^= 0xFF  # inside the tokens
     np.savez(tmp_path / "foreign.npz", weights=np.zeros(3))
+    with open(tmp_path / "array.npz", "wb") as file:  # one .npy array under an .npz name
+        np.save(file, tokens)
     damaged = {"truncated.npz": whole[:len(whole) // 2], "flipped.npz": bytes(stored), "empty.npz": b"",
                "text.npz": b"not an archive"}
     for name, content in damaged.items():
         (tmp_path / name).write_bytes(content)
-    for name in list(damaged) + ["foreign.npz"]:
+    for name in list(damaged) + ["foreign.npz", "array.npz"]:
         with pytest.raises(ValueError, match=f"{name}: (a damaged|not a readable|not a) token file"):
             train_draft.read_training_data([str(tmp_path / name)])
 
