@@ -25,7 +25,7 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import exit_with, interrupt_exits, named_as_flags, one_line_warnings, or_na
+from dflash_jax.cli import deferred_interrupts, exit_with, interrupt_exits, named_as_flags, one_line_warnings, or_na
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -624,8 +624,16 @@ def main(argv: list[str] | None = None) -> int:
         printer = TextStream(tokenizer)
         if stream:
             print(texts[0], end="", flush=True)
-        result = prepared.run(args.seed, on_chunk=(lambda toks: print(printer.update(toks[0]), end="", flush=True))
-                              if stream else None)
+        # A Ctrl-C while decoding takes effect between chunks: raised anywhere else it can be
+        # swallowed (a callback inside jax ignores it) or leave device work in flight.
+        with deferred_interrupts("stopping after this chunk") as interrupted:
+            def on_chunk(tokens: list[list[int]]) -> None:
+                if stream:
+                    print(printer.update(tokens[0]), end="", flush=True)
+                if interrupted():
+                    raise KeyboardInterrupt
+
+            result = prepared.run(args.seed, on_chunk=on_chunk)
         if stream:
             print(printer.update(result.tokens[0], final=True), flush=True)
         return result

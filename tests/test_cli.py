@@ -374,7 +374,9 @@ def test_cli_exits_quietly_when_its_reader_leaves_and_cleanly_when_interrupted(m
                "--prompt", "def fib", "--max-new-tokens", "3000", "--chunk-steps", "2", "--impl", "reference"]
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     for leave in ("close", "interrupt"):
-        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # SIGINT as a terminal's Ctrl-C finds it (a shell script's background job inherits it ignored)
+        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert len(run.stdout.read(20)) == 20  # the answer is streaming
         if leave == "close":
             run.stdout.close()
