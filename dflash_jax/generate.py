@@ -210,6 +210,8 @@ class PreparedGeneration:
     page_table: np.ndarray
     num_pages: int
     page_size: int
+    max_steps: int                 # steps the buffers hold: a row takes at most max_new_tokens - 1
+    chunk_steps: int
     prefill_fn: Callable
     chunk_fn: Callable
     compile_seconds: float
@@ -258,7 +260,10 @@ class PreparedGeneration:
             on_chunk(_generated(tokens, counts))
         start = time.perf_counter()
         streaming_seconds = 0.0  # on_chunk's, taken out of decode_seconds
-        while True:
+        # Each step emits a token for every unfinished row, so every row is done within this
+        # many chunks; a loop past it is a bug, reported rather than run for ever.
+        max_chunks = -(-self.max_steps // self.chunk_steps) + 1
+        for _ in range(max_chunks):
             state = self.chunk(state, alpha)
             done, counts, *tokens = jax.device_get((state.done, state.num_generated)
                                                    + ((state.tokens,) if on_chunk else ()))
@@ -268,6 +273,9 @@ class PreparedGeneration:
                 streaming_seconds += time.perf_counter() - shown
             if done.all():
                 break
+        else:
+            raise RuntimeError(f"sequences {np.flatnonzero(~done).tolist()} were not done after {max_chunks} chunks of "
+                               f"{self.chunk_steps} steps, more than their {self.max_steps} steps allow (a bug)")
         decode_seconds = time.perf_counter() - start - streaming_seconds
 
         steps, accept, out, stops = jax.device_get((state.steps, state.accept_lengths, state.tokens, self.inputs[3]))
@@ -371,7 +379,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
     prepared = PreparedGeneration(config, target, draft, inputs, sampling.as_arrays(), page_table, num_pages,
-                                  page_size, None, None, 0.0)
+                                  page_size, max_steps, num_steps, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
     check_cache_fits(cache_shape)
     args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)

@@ -236,6 +236,28 @@ def test_streaming_shows_each_chunk_at_once_and_its_time_is_not_decode_time(spec
     assert out.stats.prefill_seconds == out.stats.decode_seconds == 0.0
 
 
+def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, baseline):
+    """Every step emits a token for each unfinished row, so ``run`` knows how many chunks can be
+    needed; a chunk that made no progress (a bug) ends in an error naming the rows, not in a loop
+    that never returns."""
+    import dflash_jax.generate as gen
+
+    prompts, _ = baseline
+    prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
+                           impl="reference", chunk_steps=16)
+    prepared.chunk_fn = lambda target, draft, state, alpha: state  # no step taken
+    with pytest.raises(RuntimeError, match=r"sequences \[0, 1, 2, 3\] were not done after 4 chunks of 16 steps"):
+        prepared.run()
+
+
+def test_token_id_0_stops_a_row_like_any_other_stop_id():
+    """Stop lists are padded with -1: id 0 is a real token id and must count as a stop."""
+    from dflash_jax.decode import _is_stop
+
+    hits = _is_stop(jnp.asarray([[0, 3, 7, 0]]), jnp.asarray([[0, -1, -1, -1]]))
+    assert np.asarray(hits).tolist() == [[True, False, False, True]]
+
+
 def test_steps_per_check_changes_nothing_but_speed(spec_pair, baseline):
     """Checking for finished rows every 4 steps instead of every step: rows that stop mid-group
     (first token, later stop tokens, max_new_tokens) come out exactly the same, stats included."""

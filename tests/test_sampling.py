@@ -55,10 +55,13 @@ def test_sampling_probs_matches_reference(temperature):
 
 
 def test_tiny_temperature_is_argmax_not_nan():
-    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 11)) * 5, jnp.float32)
-    probs = np.asarray(sampling_probs(logits, SamplingConfig(temperature=1e-30)))
-    assert np.isfinite(probs).all()
-    np.testing.assert_array_equal(probs, np.eye(11)[np.argmax(np.asarray(logits), -1)])
+    # logits up to ~50 over a temperature of 1e-37: unshifted, 50 / 1e-37 overflows to inf and
+    # the softmax reads inf - inf
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 11)) * 20, jnp.float32)
+    for temperature in (1e-30, 1e-37):
+        probs = np.asarray(sampling_probs(logits, SamplingConfig(temperature=temperature).as_arrays()))
+        assert np.isfinite(probs).all()
+        np.testing.assert_array_equal(probs, np.eye(11)[np.argmax(np.asarray(logits), -1)])
 
 
 def test_sampling_config_validation_and_greedy():
@@ -90,6 +93,12 @@ def test_accept_greedy_prefix_and_bonus():
     accepted, bonus = accept_greedy(drafts, logits, block_lens)
     assert np.asarray(accepted).tolist() == [2, 3, 0, 2]
     assert np.asarray(bonus).tolist() == [3, 4, 5, 3]
+    # exact ties break to the first maximum, as the draft's and plain decoding's greedy choice do:
+    # a verify that broke them otherwise would make speculative output differ from plain output
+    tied = jnp.asarray([[[0.0, 5.0, 5.0], [5.0, 5.0, 0.0]]])
+    plain = np.asarray(choose(jax.random.key(0), tied, SamplingConfig())).tolist()
+    accepted, bonus = accept_greedy(jnp.asarray([[plain[0][0]]]), tied, jnp.asarray([2]))
+    assert plain == [[1, 0]] and (int(accepted[0]), int(bonus[0])) == (1, 0)
 
 
 def _gof(observed, probs) -> float:
