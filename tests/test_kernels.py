@@ -290,10 +290,12 @@ def test_norm_rope_write(case, interpret, check):
     num_pages = batch * pages_per_seq + 2
     table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
     table[2, 2] = num_pages  # unallocated entry: writes there are dropped
+    table[1, 0] = -1  # and a negative one (it would address memory before the pages on a GPU)
     cap = pages_per_seq * page_size
     positions = np.stack([rng.permutation(cap)[:q_len] for _ in range(batch)])
     positions[0, :3] = [-1, cap, 0]  # outside the page table: dropped
     positions[2, 0] = 2 * page_size + 1  # lands in the unallocated page
+    positions[1, 0] = 1  # lands in the negative one
     pages = [jnp.asarray(rng.standard_normal((num_pages, page_size, heads, head_dim)), dtype)
              for _ in range(2)]
     k, v = (jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), dtype)
@@ -452,6 +454,17 @@ def test_combine_splits(case, interpret, check):
     check(out, ref, dtype)
 
 
+def test_combine_splits_at_extreme_log_sum_exps(interpret, check):
+    """The merge weighs each split by 2^(lse - the row's largest lse): split log-sum-exps of 200
+    (2^200 overflows float32) or -300 (2^-300 underflows) still give the weighted mean, 5/3
+    for weights 1 and 1/2 on values 1 and 3, not NaN or zeros."""
+    o = jnp.broadcast_to(jnp.asarray([1.0, 3.0])[:, None, None], (2, 4, 16))
+    for top in (200.0, -300.0):
+        lse = jnp.broadcast_to(jnp.asarray([top, top - 1.0])[:, None], (2, 4))
+        out = pk.combine_splits(o, lse, interpret=interpret)
+        check(out, jnp.full((4, 16), 5 / 3), jnp.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # Argument checking and the CUDA (Triton) lowering, both without running anything.
 
@@ -533,6 +546,7 @@ def test_lowers_for_cuda(name):
 
 BAD_ARGS = [
     ("q", lambda: _attention_shapes(head_dim=48)),
+    ("q head_dim must be a power of two >= 16, got 8", lambda: _attention_shapes(head_dim=8)),
     ("q heads", lambda: _attention_shapes(q_heads=20)),
     ("k_pages/v_pages dtype", lambda: (S((2, 16, 32, 128), jnp.float32), *_attention_shapes()[1:])),
     ("page_size", lambda: _attention_shapes(page_size=24)),
@@ -583,6 +597,33 @@ def test_split_merge_rule():
     assert merge(batch=1, pages_per_seq=2048, q_len=1) == (33, True)
     assert merge(batch=32, pages_per_seq=2048) == (1, False)
     assert merge(batch=1, pages_per_seq=56, num_splits=3, pallas_merge=True) == (3, True)
+
+
+def test_tiling_decisions_at_the_rules_boundaries(monkeypatch):
+    """Decisions of ``attention_blocks`` at the edges of its rules (each value is what it chose
+    when it was measured; a change here is a change of tiling, to be measured again):
+    query tiles counted rounded up (37 tokens: two tiles, 8 splits), KV tiles of a table that is
+    not a whole number of them rounded up (9 pages: 3 splits), f32 at head_dim 256 on 64-row
+    query tiles, a small GPU halving KV tiles only down to 64 tokens, three stages from 32 rows
+    on, the Pallas merge from 8 splits on; and the draft kernel counting its block's K/V as the
+    power-of-two tile it loads (65 tokens: 128)."""
+    shape = dict(head_dim=128, page_size=16, kv_heads=8, limits=pk_tuning.HOPPER)
+    blocks = lambda **kw: pk_tuning.attention_blocks(**{**shape, **kw})  # noqa: E731
+    assert blocks(q_len=37, group=4, pages_per_seq=256, batch=1).num_splits == 8
+    assert blocks(q_len=1, group=8, pages_per_seq=9, batch=1).num_splits == 3
+    assert blocks(q_len=16, group=8, head_dim=256, pages_per_seq=64, batch=1, itemsize=4).block_t == 8
+    small_gpu = pk_tuning.GpuLimits(58, 100 * 1024)
+    assert blocks(q_len=16, group=4, head_dim=256, pages_per_seq=64, batch=8, limits=small_gpu).pages_per_block == 2
+    assert blocks(q_len=8, group=4, pages_per_seq=64, batch=8).num_stages == 3
+    assert blocks(q_len=1, group=4, pages_per_seq=64, batch=1, num_splits=8).pallas_merge
+
+    import pallas_kernels.draft_attention as draft_module
+
+    seen, choose = [], draft_module.choose_blocks
+    monkeypatch.setattr(draft_module, "choose_blocks", lambda q, k, table, extra, **kw: (
+        seen.append(extra), choose(q, k, table, extra, **kw))[1])
+    jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(block=65))
+    assert seen == [2 * 128 * 128 * 2]
 
 
 def test_short_table_rule():
@@ -743,9 +784,13 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
     for kw, match in [({"num_warps": 3}, "num_warps must be a power of two"), ({"num_warps": 0}, "num_warps"),
                       ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t must be >= 1"),
                       ({"pages_per_block": 0}, "pages_per_block must be >= 1"),
-                      ({"sliding_window": 2.5}, "sliding_window must be an int")]:
+                      ({"sliding_window": 2.5}, "sliding_window must be an int"),
+                      ({"num_warps": 64}, r"num_warps must be a power of two in \[1, 32\]"),
+                      ({"block_t": 1}, r"block_t \* group must be a power of two >= 16, got 1 \* 4")]:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(verify, **kw), *_attention_shapes())
+    with pytest.raises(ValueError, match="q block length T must be <= 128, got 129"):
+        jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(block=129))
     q, k_pages, v_pages, page_table, start = _attention_shapes()
     with pytest.raises(ValueError, match="at least one query token"):
         jax.eval_shape(verify, S((2, 0, *q.shape[2:]), q.dtype), k_pages, v_pages, page_table, start)
