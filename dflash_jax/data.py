@@ -17,6 +17,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import BinaryIO
 from pathlib import Path
 
 import jax
@@ -221,20 +222,28 @@ def prompt_response_rows(prompts: Sequence[Sequence[int]], responses: Sequence[S
     return TokenRows(tokens, mask)
 
 
-def save_token_file(path: str | Path, rows: TokenRows, *, record: str | None = None) -> None:
-    """Rows as .npz; ``record`` (optional text) says what they were made from. Written whole or
-    not at all (a hidden sibling renamed into place), so an interrupted save leaves no truncated
-    file that reads as complete."""
+@contextlib.contextmanager
+def written_whole(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only when the block completes: written as a hidden
+    sibling and renamed into place, removed on any failure (Ctrl-C included), so an interrupted
+    write never leaves a truncated file that reads as complete, nor replaces a whole one."""
     path = Path(path)
-    extra = {} if record is None else {"record": np.array(record)}
     partial = path.with_name(f".{path.name}.partial")
     try:
-        with open(partial, "wb") as file:  # a file, not a name: savez would append ".npz" to it
-            np.savez_compressed(file, tokens=rows.tokens, loss_mask=rows.loss_mask, **extra)
+        with open(partial, "wb") as file:
+            yield file
         partial.replace(path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def save_token_file(path: str | Path, rows: TokenRows, *, record: str | None = None) -> None:
+    """Rows as .npz, written whole (``written_whole``); ``record`` (optional text) says what they
+    were made from."""
+    extra = {} if record is None else {"record": np.array(record)}
+    with written_whole(path) as file:  # a file, not a name: savez would append ".npz" to a name
+        np.savez_compressed(file, tokens=rows.tokens, loss_mask=rows.loss_mask, **extra)
 
 
 @contextlib.contextmanager

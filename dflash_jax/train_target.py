@@ -123,10 +123,10 @@ RUN_FILE, SCHEDULE_FILE, LOG_FILE = "run.json", "schedule.json", "train_log.json
 
 
 def write_json(path: Path, value) -> None:
-    """Write ``value`` as JSON through a temporary file, so an interruption leaves the old file whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
+    """Write ``value`` as JSON, whole or not at all (``data.written_whole``): an interruption
+    leaves the old file as it was."""
+    with data.written_whole(path) as file:
+        file.write(json.dumps(value).encode())
 
 
 def saved_steps(ckpt_dir: Path) -> list[int]:
