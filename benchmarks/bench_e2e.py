@@ -45,7 +45,7 @@ from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_op
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
-from dflash_jax.cli import at_least  # noqa: E402
+from dflash_jax.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs, reported_as_errors  # noqa: E402
 from dflash_jax.decode import default_steps_per_check  # noqa: E402
 from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
@@ -340,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
                         "(default: 1024, 8 at --shape tiny)")
     parser.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
     parser.add_argument("--parts-batches", type=positive_ints, help="default: 1,32 (tiny: 1)")
-    parser.add_argument("--compile-cache", default="/tmp/dflash-jax-compile-cache")
+    parser.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     parser.add_argument("--skip", type=names_from(SECTIONS, allow_empty=True), default="",
                         help=f"comma list of sections to skip: {','.join(SECTIONS)}")
     parser.add_argument("--steps-per-check", type=at_least(2), default=None,
@@ -376,9 +376,8 @@ def main(argv: list[str] | None = None):
     # One stop-check interval for the plain chunks (2 x steps) and the DFlash ones (steps).
     steps_per_check = args.steps_per_check or default_steps_per_check(args.steps)
     auto_kernels = override_auto_kernels(args.auto_kernels)
-    # Identical programs (a prefill shared by several block sizes) compile once.
-    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    with reported_as_errors():  # identical programs (a prefill shared by several block sizes) compile once
+        keep_compiled_programs(args.compile_cache)
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731

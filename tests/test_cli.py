@@ -1,6 +1,7 @@
 """The generate CLI end to end on a tiny HF folder with a real byte-level BPE tokenizer."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +51,16 @@ def model_dirs(tmp_path_factory):
     return target_dir, draft_dir
 
 
-def _cli(*args, timeout=300):
+def _cli_env(**extra) -> dict:
+    """A bare environment for a generate subprocess (plus ``extra``); compiled programs kept in the
+    suite's folder (conftest)."""
+    return {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+            "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"], **{k: str(v) for k, v in extra.items()}}
+
+
+def _cli(*args, timeout=300, **env):
     return subprocess.run([sys.executable, "-m", "dflash_jax.generate", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=timeout, env=_cli_env(**env))
 
 
 def test_cli_streams_dflash_and_matches_baseline(model_dirs, tmp_path):
@@ -363,6 +370,81 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
 
 
+def test_a_second_run_loads_the_programs_the_first_compiled(model_dirs, tmp_path):
+    """generate keeps its compiled programs (jax's persistent cache, by default under
+    $XDG_CACHE_HOME/dflash_jax/xla): a second run of the same shapes loads them and prints the same
+    answer. $JAX_COMPILATION_CACHE_DIR, when set, is the default instead; ``--compile-cache none``
+    keeps nothing."""
+    args = ["--target", model_dirs[0], "--no-draft", "--prompt", "def fib", "--max-new-tokens", 6,
+            "--impl", "reference"]
+    home = tmp_path / "home"
+    first = _cli(*args, XDG_CACHE_HOME=home)
+    assert first.returncode == 0, first.stderr
+    kept = {path.name.split("-")[0] for path in (home / "dflash_jax" / "xla").iterdir()}
+    assert {"jit_prefill", "jit_decode_chunk"} <= kept
+    second = _cli(*args, XDG_CACHE_HOME=home, JAX_LOG_COMPILES=1)  # logs each cache hit
+    assert second.returncode == 0, second.stderr
+    for name in ("jit_prefill", "jit_decode_chunk"):
+        assert f"Persistent compilation cache hit for '{name}'" in second.stderr
+    assert second.stdout == first.stdout
+
+    jax_own = _cli(*args, XDG_CACHE_HOME=home, JAX_COMPILATION_CACHE_DIR=tmp_path / "jax_own")
+    assert jax_own.returncode == 0 and any((tmp_path / "jax_own").iterdir()), jax_own.stderr
+    unused = tmp_path / "unused"
+    off = _cli(*args, "--compile-cache", "none", XDG_CACHE_HOME=unused)
+    assert off.returncode == 0 and off.stdout == first.stdout and not unused.exists(), off.stderr
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """No compile cache folder set (a ``generate.main`` run in this process before sets one), and
+    afterwards the two jax settings ``keep_compiled_programs`` changes as they were."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", None)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
+def test_a_compile_cache_that_cannot_be_written(model_dirs, tmp_path, monkeypatch, capsys, jax_cache_settings):
+    """A folder named by --compile-cache that cannot be written is refused before the weights load;
+    the default one is a warning, and the run goes on compiling as it would without."""
+    from dflash_jax import cli, generate
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = ["--target", str(model_dirs[0]), "--no-draft", "--prompt", "x", "--max-new-tokens", "2",
+            "--impl", "reference"]
+    assert generate.main(args + ["--compile-cache", str(blocker / "xla")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --compile-cache {blocker / 'xla'}: cannot write there") and err.count("\n") == 1
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.warns(UserWarning, match="compiled programs are not kept between runs: cannot write"):
+        assert cli.keep_compiled_programs(None) is None
+    assert jax.config.jax_compilation_cache_dir is None
+    assert cli.keep_compiled_programs(str(tmp_path / "ok")) == tmp_path / "ok"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "ok")
+
+
+def test_compile_cache_folder_defaults(tmp_path, monkeypatch, jax_cache_settings):
+    """``--compile-cache`` absent: jax's own setting, else $XDG_CACHE_HOME/dflash_jax/xla, else
+    ~/.cache/dflash_jax/xla; "none" is no folder; ~ is expanded."""
+    from dflash_jax.cli import compile_cache_folder
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_own"))
+    assert compile_cache_folder(None) == tmp_path / "jax_own"
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_folder(None) == tmp_path / "xdg" / "dflash_jax" / "xla"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache_folder(None) == tmp_path / "home" / ".cache" / "dflash_jax" / "xla"
+    assert compile_cache_folder("~/xla") == tmp_path / "home" / "xla"
+    assert compile_cache_folder("none") is None
+
+
 def test_cli_exits_quietly_when_its_reader_leaves_and_cleanly_when_interrupted(model_dirs):
     """``generate | head -c 20``: status 141 and no traceback. Ctrl-C while the answer streams:
     status 130 and the one "interrupted" line; the exit does not tear the interpreter down under
@@ -372,7 +454,7 @@ def test_cli_exits_quietly_when_its_reader_leaves_and_cleanly_when_interrupted(m
     target_dir, draft_dir = model_dirs
     command = [sys.executable, "-m", "dflash_jax.generate", "--target", target_dir, "--draft", draft_dir,
                "--prompt", "def fib", "--max-new-tokens", "3000", "--chunk-steps", "2", "--impl", "reference"]
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    env = _cli_env()
     for leave in ("close", "interrupt"):
         # SIGINT as a terminal's Ctrl-C finds it (a shell script's background job inherits it ignored)
         run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
