@@ -12,9 +12,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# Command lines keep compiled programs under $XDG_CACHE_HOME (cli.keep_compiled_programs): the
-# suite's go to a folder of its own, never the user's.
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# Command lines keep compiled programs under $XDG_CACHE_HOME unless JAX_COMPILATION_CACHE_DIR is
+# set (cli.keep_compiled_programs): the suite's go to a folder of its own, never the user's.
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME = tempfile.mkdtemp(prefix="dflash-jax-tests-")
 atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
@@ -25,9 +24,6 @@ jax.config.update("jax_enable_x64", False)
 # The f32 parity checks are near-exact; on a GPU, XLA would run f32 products as TF32 (~1e-3 off).
 # No effect on CPU. Lets the suite run on a GPU too (JAX_PLATFORMS=cuda,cpu).
 jax.config.update("jax_default_matmul_precision", "highest")
-# The suite's own process keeps no compiled programs (a CLI's main run in it would turn the cache
-# on), so what a test compiles does not depend on the tests before it.
-jax.config.update("jax_enable_compilation_cache", False)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
 

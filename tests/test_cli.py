@@ -378,33 +378,32 @@ def test_a_second_run_loads_the_programs_the_first_compiled(model_dirs, tmp_path
     args = ["--target", model_dirs[0], "--no-draft", "--prompt", "def fib", "--max-new-tokens", 6,
             "--impl", "reference"]
     home = tmp_path / "home"
-    first = _cli(*args, XDG_CACHE_HOME=home)
+    keep_all = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": 0}  # these tiny programs compile in < 1 s
+    first = _cli(*args, XDG_CACHE_HOME=home, **keep_all)
     assert first.returncode == 0, first.stderr
     kept = {path.name.split("-")[0] for path in (home / "dflash_jax" / "xla").iterdir()}
     assert {"jit_prefill", "jit_decode_chunk"} <= kept
-    second = _cli(*args, XDG_CACHE_HOME=home, JAX_LOG_COMPILES=1)  # logs each cache hit
+    second = _cli(*args, XDG_CACHE_HOME=home, JAX_LOG_COMPILES=1, **keep_all)  # logs each cache hit
     assert second.returncode == 0, second.stderr
     for name in ("jit_prefill", "jit_decode_chunk"):
         assert f"Persistent compilation cache hit for '{name}'" in second.stderr
     assert second.stdout == first.stdout
 
-    jax_own = _cli(*args, XDG_CACHE_HOME=home, JAX_COMPILATION_CACHE_DIR=tmp_path / "jax_own")
+    jax_own = _cli(*args, XDG_CACHE_HOME=home, JAX_COMPILATION_CACHE_DIR=tmp_path / "jax_own", **keep_all)
     assert jax_own.returncode == 0 and any((tmp_path / "jax_own").iterdir()), jax_own.stderr
     unused = tmp_path / "unused"
-    off = _cli(*args, "--compile-cache", "none", XDG_CACHE_HOME=unused)
+    off = _cli(*args, "--compile-cache", "none", XDG_CACHE_HOME=unused, **keep_all)
     assert off.returncode == 0 and off.stdout == first.stdout and not unused.exists(), off.stderr
 
 
 @pytest.fixture
 def jax_cache_settings():
-    """No compile cache folder set (a ``generate.main`` run in this process before sets one), and
-    afterwards the two jax settings ``keep_compiled_programs`` changes as they were."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in names}
+    """No compile cache folder set (CI sets one; a ``generate.main`` run in this process sets one)
+    while the test runs, and afterwards the setting as it was."""
+    before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
     yield
-    for name, value in before.items():
-        jax.config.update(name, value)
+    jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_a_compile_cache_that_cannot_be_written(model_dirs, tmp_path, monkeypatch, capsys, jax_cache_settings):
