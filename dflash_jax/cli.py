@@ -151,11 +151,14 @@ COMPILE_CACHE_HELP = ("keep compiled programs in this folder, so a later run of 
 def compile_cache_folder(choice: str | None) -> Path | None:
     """The folder ``--compile-cache`` means: None for "none"; without the flag (``choice`` None),
     jax's own setting (``JAX_COMPILATION_CACHE_DIR``), else ``$XDG_CACHE_HOME/dflash_jax/xla``
-    (``~/.cache`` when that is unset)."""
-    if choice is None:
-        choice = jax.config.jax_compilation_cache_dir or str(
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_jax" / "xla")
-    return None if choice == "none" else Path(choice).expanduser()
+    (``~/.cache`` when that is unset). OSError where it needs a home folder and there is none."""
+    try:
+        if choice is None:
+            choice = jax.config.jax_compilation_cache_dir or str(
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_jax" / "xla")
+        return None if choice == "none" else Path(choice).expanduser()
+    except RuntimeError as error:  # no $HOME and no password entry to find it in
+        raise OSError(f"no home folder to keep them in ({error})") from None
 
 
 def keep_compiled_programs(choice: str | None) -> Path | None:
@@ -165,17 +168,20 @@ def keep_compiled_programs(choice: str | None) -> Path | None:
     that compile in under ``jax_persistent_cache_min_compile_time_secs`` (1 s unless set) are not
     kept. A folder the user named that cannot be written is an OSError; the default one is a
     warning, and the run compiles as it would without. Returns the folder in use (None: none)."""
-    folder = compile_cache_folder(choice)
-    if folder is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as error:
-            if choice is not None:
-                raise OSError(f"--compile-cache {folder}: cannot write there ({error})") from None
-            warnings.warn(f"compiled programs are not kept between runs: cannot write {folder} "
-                          f"({error}); --compile-cache names another folder")
-            folder = None
+    try:
+        folder = compile_cache_folder(choice)
+        if folder is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=folder).close()
+            except OSError as error:
+                raise OSError(f"cannot write {folder} ({error})") from None
+    except OSError as error:
+        if choice is not None:
+            raise OSError(f"--compile-cache {choice}: {error}") from None
+        warnings.warn(f"compiled programs are not kept between runs: {error}; --compile-cache names "
+                      "a folder for them")
+        folder = None
     jax.config.update("jax_compilation_cache_dir", None if folder is None else str(folder))
     return folder
 
