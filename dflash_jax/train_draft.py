@@ -41,8 +41,9 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import draft as draft_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, exit_with, interrupt_exits, non_negative_float, one_line_warnings,
-                            or_na, positive_float, random_seed, reported_as_errors)
+from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, exit_with, interrupt_exits, keep_compiled_programs,
+                            non_negative_float, one_line_warnings, or_na, positive_float, random_seed,
+                            reported_as_errors)
 from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
@@ -496,6 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-new-tokens", type=at_least(1), default=256)
     parser.add_argument("--eval-corpus", default="stdlib", help="'stdlib' or a folder: prompts from its held-out split")
     parser.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in --out")
+    parser.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     args = parser.parse_args(argv)
     if args.eval_only and not args.eval_prompts:
         parser.error("--eval-only evaluates the draft in --out on held-out prompts: pass --eval-prompts N")
@@ -517,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--save-data {args.save_data}: must name a .npz file in an existing folder")
 
     with reported_as_errors():  # everything that reads the user's input, cheapest first; weights last
+        keep_compiled_programs(args.compile_cache)
         target_config = load_target_config(args.target)
         tokenizer = data.load_tokenizer(args.target)
         eos_id = target_config.eos_token_ids[0] if target_config.eos_token_ids else None

@@ -41,8 +41,9 @@ from checkpoints_convert.export import DEFAULT_MAX_SHARD_MB
 from dflash_jax import data
 from dflash_jax import target as target_model
 from dflash_jax.cache import init_cache
-from dflash_jax.cli import (at_least, deferred_interrupts, exit_with, interrupt_exits, non_negative_float,
-                            one_line_warnings, positive_float, random_seed, reported_as_errors)
+from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, deferred_interrupts, exit_with, interrupt_exits,
+                            keep_compiled_programs, non_negative_float, one_line_warnings, positive_float,
+                            random_seed, reported_as_errors)
 from dflash_jax.config import ModelConfig
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 from pallas_kernels.tuning import is_power_of_2
@@ -549,8 +550,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="compute dtype (master weights stay float32)")
     parser.add_argument("--max-shard-mb", type=at_least(1), default=DEFAULT_MAX_SHARD_MB,
                         help="largest safetensors shard of the exported model, MB")
+    parser.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     args = parser.parse_args(argv)
     with reported_as_errors():
+        keep_compiled_programs(args.compile_cache)
         train = TargetTrainConfig(
             shape=TinyTargetShape(vocab_size=args.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
                                   num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,

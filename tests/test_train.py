@@ -873,3 +873,21 @@ def test_corpus_files_that_are_not_utf8_are_named(tmp_path):
     with pytest.warns(UserWarning, match=r"1 file\(s\) are not UTF-8.*wide\.py"):
         texts = data.read_texts([tmp_path / "ok.py", tmp_path / "wide.py"])
     assert texts[0] == "x = 1\n" and "\ufffd" in texts[1]
+
+
+@pytest.mark.parametrize("command", [train_target, train_draft], ids=["train_target", "train_draft"])
+def test_training_refuses_a_compile_cache_it_cannot_write(command, tmp_path, capsys):
+    """The training command lines keep compiled programs as generate does (``--compile-cache``, so
+    a resumed run loads its step instead of compiling it); a folder they cannot write is one error
+    line before any work."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = ["--out", str(tmp_path / "out"), "--compile-cache", str(blocker / "xla")]
+    if command is train_draft:
+        args += ["--target", str(tmp_path / "target")]
+    with pytest.raises(SystemExit) as stop:
+        command.main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --compile-cache {blocker / 'xla'}: cannot write {blocker / 'xla'}")
+    assert not (tmp_path / "out").exists()
