@@ -3,8 +3,10 @@ draft trained through the CLIs; resume; export round trip; parity with the z-lab
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sysconfig
 import time
@@ -47,6 +49,8 @@ def test_sample_anchors_only_where_two_tokens_are_supervised():
     assert sorted(many[0][:4]) == [1, 2, 5, 6] and (many[0][4:] == -1).all()
     again = np.asarray(data.sample_anchors(jax.random.key(0), mask, 3))
     assert (again == few).all()
+    full = jnp.ones((1, 64), bool)  # the key draws them: another key, other anchors
+    assert (data.sample_anchors(jax.random.key(0), full, 4) != data.sample_anchors(jax.random.key(1), full, 4)).any()
 
 
 def test_blocks_labels_weights_and_visibility_by_hand():
@@ -112,6 +116,10 @@ def test_token_files_and_prompt_response_rows(tmp_path):
     rows = data.prompt_response_rows([[1, 2], [3]], [[4, 5, 6], [7, 8, 9, 10, 11]], seq_len=5, pad_id=0)
     assert rows.tokens.tolist() == [[1, 2, 4, 5, 6], [3, 7, 8, 9, 10]]
     assert rows.loss_mask.astype(int).tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
+    short = data.prompt_response_rows([[1]], [[4, 5]], seq_len=5, pad_id=0)  # padding is not supervised
+    assert short.tokens.tolist() == [[1, 4, 5, 0, 0]] and short.loss_mask.astype(int).tolist() == [[0, 1, 1, 0, 0]]
+    packed = data.pack_stream([np.array([1, 2]), np.array([3, 4, 5]), np.array([6])], 3)
+    assert packed.tokens.tolist() == [[1, 2, 3], [4, 5, 6]] and packed.loss_mask.all()  # one stream, cut in rows
     data.save_token_file(tmp_path / "rows.npz", rows)
     (tmp_path / "notes.txt").write_text("some text")
     loaded, texts = train_draft.read_training_data([str(tmp_path / "*")])
@@ -128,6 +136,7 @@ def test_token_files_and_prompt_response_rows(tmp_path):
     assert (first == rows.batch(3, 4, seed=0)[0]).all()
     many = data.TokenRows(np.arange(128, dtype=np.int32).reshape(64, 2), np.ones((64, 2), bool))
     assert (many.batch(0, 8, seed=0)[0] != many.batch(1, 8, seed=0)[0]).any()  # each step draws its own rows
+    assert (many.batch(3, 8, seed=0)[0] != many.batch(3, 8, seed=1)[0]).any()  # and each seed
 
 
 def test_expand_paths_globs_recursively(tmp_path):
@@ -801,6 +810,8 @@ def test_schedule_and_time_budget(tmp_path):
     optim = train_target.OptimConfig(steps=100, lr=1e-3, warmup_frac=0.04)
     rates = [optim.learning_rate(s, 100) for s in range(100)]
     assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3]) and rates[-1] < 1e-6
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 4) / 96)) for s in range(4, 100)]  # from the peak
+    assert rates[4:] == pytest.approx(cosine, rel=1e-9) and rates[-1] > 0
     assert np.all(np.diff(rates[3:]) <= 0)
 
     def step_fn(state, learning_rate):
@@ -891,3 +902,178 @@ def test_training_refuses_a_compile_cache_it_cannot_write(command, tmp_path, cap
     assert stop.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --compile-cache {blocker / 'xla'}: cannot write {blocker / 'xla'}")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# What a mutation round found unpinned (session 21): seeds, metrics, the optimizer, held-out data.
+
+def test_gradients_are_clipped_and_only_matrices_decay():
+    """AdamW sees gradients clipped to ``clip`` global norm (its first moment after one step is
+    (1 - b1) x the clipped gradient), and weight decay moves matrices, never vectors (norm weights)."""
+    optimizer = train_target.make_optimizer(train_target.OptimConfig(steps=1, lr=1.0, clip=1.0))
+    params = {"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)}
+    grads = {"w": jnp.full((3, 3), 100.0), "b": jnp.zeros(3)}                # global norm 300
+    _, opt_state = optimizer.update(grads, optimizer.init(params), params)
+    first_moment = optax.tree_utils.tree_get(opt_state, "mu")
+    assert float(train_target.global_norm(first_moment)) == pytest.approx(0.1, rel=1e-5)
+
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    state = train_target.TrainState.create(params, optimizer)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    state = train_target.apply_gradients(state, zero, optimizer, jnp.float32(1.0))
+    np.testing.assert_allclose(state.params["w"], 1 - 0.01, rtol=1e-6)       # decoupled decay, lr 1
+    np.testing.assert_array_equal(state.params["b"], 1.0)
+
+
+def test_draft_metrics_count_supervised_labels_only(random_pair):
+    """position_accuracy and the τ proxy count a block position only where its label is supervised:
+    a prediction that equals an unsupervised label is not a hit."""
+    from dflash_jax import draft as draft_model
+
+    target, draft = random_pair.target, random_pair.draft
+    config = dataclasses.replace(draft.config, block_size=4)
+    anchors = jnp.asarray([[3]], jnp.int32)
+    loss_mask = np.ones((1, 12), bool)
+    loss_mask[0, 5] = False                                  # the block's second label (position 5)
+
+    def predictions(tokens):
+        _, taps = train_draft.causal_forward(target.params, target.config, tokens, config.target_layer_ids)
+        blocks = data.make_blocks(tokens, jnp.asarray(loss_mask), anchors, 4, config.mask_token_id)
+        hidden = train_draft.draft_block_hidden(draft.params, config, target.params, taps, blocks, anchors)
+        logits = draft_model.draft_logits(draft.params, config, target.params, hidden.reshape(1, 1, 4, -1)[:, :, 1:])
+        return np.asarray(jnp.argmax(logits, -1))[0, 0]
+
+    tokens = np.random.default_rng(1).integers(0, 127, (1, 12)).astype(np.int32)
+    predicted = predictions(jnp.asarray(tokens))
+    # The block reads the context before its anchor and token 3 only, so its predictions stay put
+    # while its labels (tokens 4-6) are set: right, right (unsupervised), wrong.
+    tokens[0, 4:7] = predicted[0], predicted[1], (predicted[2] + 1) % 127
+    tokens = jnp.asarray(tokens)
+    assert (predictions(tokens) == predicted).all()
+    _, metrics = train_draft.draft_loss(draft.params, target.params, tokens, jnp.asarray(loss_mask), anchors,
+                                        config=config, target_config=target.config, gamma=2.0, dtype=jnp.float32)
+    assert np.asarray(metrics["position_accuracy"]).tolist() == [1.0, 0.0, 0.0]
+    assert float(metrics["tau_proxy"]) == 2.0
+
+
+def test_each_step_draws_its_own_anchors_and_gamma_weighs_the_loss(random_pair):
+    """train_step's anchors come from the seed folded with the step (another step, other anchors;
+    the same step, the same ones), and DraftTrainConfig.gamma reaches the loss."""
+    target, draft = random_pair.target, random_pair.draft
+    config = dataclasses.replace(draft.config, block_size=4)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 127, (1, 32)), jnp.int32)
+    mask = jnp.ones((1, 32), bool)
+
+    def loss(step: int, **recipe) -> float:
+        train = train_draft.DraftTrainConfig(num_anchors=2, compute_dtype="float32", **recipe)
+        params = jax.tree.map(jnp.copy, draft.params)  # the state is donated
+        state = train_target.TrainState.create(params, train_target.make_optimizer(train.optim))
+        state = state.replace(step=jnp.asarray(step, jnp.int32))
+        _, metrics = train_draft.train_step(state, jnp.float32(0.0), target.params, tokens, mask, config=config,
+                                            target_config=target.config, train=train)
+        return float(metrics["loss"])
+
+    assert loss(0) == loss(0)
+    assert loss(1) != loss(0)
+    assert loss(0, seed=1) != loss(0)
+    assert loss(0, gamma=0.5) != loss(0)
+
+
+def test_the_draft_starts_from_weights_of_its_seed(random_pair, tmp_path, monkeypatch):
+    """``--seed`` draws the draft's initial weights too, not only the batches and anchors."""
+    keys = []
+
+    class Drawn(Exception):
+        pass
+
+    def record(config, key, dtype):
+        keys.append(np.asarray(jax.random.key_data(key)).tolist())
+        raise Drawn
+
+    monkeypatch.setattr(train_draft, "init_draft_params", record)
+    rows = data.TokenRows(np.zeros((1, 8), np.int32), np.ones((1, 8), bool))
+    for seed in (0, 1, 0):
+        with pytest.raises(Drawn):
+            train_draft.train_in_run(random_pair.target, rows, tmp_path / "out", random_pair.draft.config,
+                                     train_draft.DraftTrainConfig(seed=seed), tmp_path / "ckpt", resume=False)
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_a_resumed_draft_run_sees_its_data_change(trained, tmp_path, monkeypatch):
+    """The draft run's record holds a digest of the --data text, so --resume refuses a file that
+    changed behind the same path (the record's comparison: ``claim_run_folders``)."""
+    records = []
+
+    class Claimed(Exception):
+        pass
+
+    def claim(target_config, target_path, out_dir, draft_config, train, data_record, **kwargs):
+        records.append(data_record)
+        raise Claimed
+
+    monkeypatch.setattr(train_draft, "open_draft_run", claim)
+    text = tmp_path / "notes.txt"
+    args = ["--target", str(trained[0] / "target"), "--out", str(tmp_path / "draft"), "--data", str(text),
+            "--seq-len", "16", "--num-layers", "1", "--block-size", "4"]
+    for content in ("def f(x):\n    return x\n", "def f(x):\n    return x + 1\n"):
+        text.write_text(content)
+        with pytest.raises(Claimed):
+            train_draft.main(args)
+    assert records[0]["data"] == records[1]["data"] and records[0]["sha256"] != records[1]["sha256"]
+
+
+def _corpus_with_a_heldout_file(folder: Path) -> Path:
+    """a.py and c.py train, g.py is held out (``test_small_corpus_folders_hold_out_one_file``);
+    the held-out file's text has no 'z' and no '2', the others' nothing else."""
+    folder.mkdir()
+    for name in ("a.py", "c.py"):
+        (folder / name).write_text("zzzz = 2\n" * 300)
+    (folder / "g.py").write_text("aaaa = 1\n" * 300)
+    return folder
+
+
+def test_eval_prompts_come_from_the_held_out_files(trained, tmp_path):
+    corpus = _corpus_with_a_heldout_file(tmp_path / "corpus")
+    tokenizer = data.load_tokenizer(trained[0] / "target")
+    args = argparse.Namespace(eval_corpus=str(corpus), eval_prompts=3, prompt_len=6)
+    prompts = train_draft._eval_prompts(args, tokenizer, None)
+    assert len(prompts) == 3
+    for prompt in prompts:
+        text = tokenizer.decode(prompt)
+        assert "a" in text and not {"z", "2"} & set(text), text
+
+
+def test_target_held_out_rows_come_from_the_held_out_files(tmp_path):
+    corpus = _corpus_with_a_heldout_file(tmp_path / "corpus")
+    train = train_target.TargetTrainConfig(shape=train_target.TinyTargetShape(vocab_size=300), seq_len=16)
+    with pytest.warns(UserWarning, match="the tokenizer has"):
+        run = train_target.open_target_run(tmp_path / "out", train, corpus=corpus)
+    tokenizer = data.load_tokenizer(tmp_path / "out.ckpt" / "tokenizer")
+    for kind, rows, letter in (("held-out", run.eval_rows, "a"), ("training", run.rows, "z")):
+        text = "".join(tokenizer.decode(row.tolist()) for row in rows.tokens)
+        assert letter in text and set(text) <= set(letter + " =12\n<|endoftext|>"), (kind, text[:80])
+    assert "z" not in "".join(tokenizer.decode(row.tolist()) for row in run.eval_rows.tokens)
+
+
+def test_resume_keeps_the_schedule_its_run_recorded(tmp_path):
+    """A resumed run ends where its schedule.json says (a time budget may have shortened it), at
+    that schedule's rates: not at OptimConfig.steps."""
+    class Stopped(Exception):
+        pass
+
+    def step_fn(state, learning_rate, stop_at=None):
+        if int(state.step) == stop_at:
+            raise Stopped
+        return state.replace(step=state.step + 1), {"loss": learning_rate}
+
+    optim = train_target.OptimConfig(steps=10, lr=1e-3)
+    state = train_target.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(2)},
+                                    opt_state={"m": jnp.zeros(2)})
+    common = dict(optim=optim, ckpt_dir=tmp_path, save_every=1, desc="schedule", postfix=lambda m: {})
+    with pytest.raises(Stopped):
+        train_target.run_training(state, lambda s, lr: step_fn(s, lr, stop_at=2), lambda step: (), resume=False,
+                                  **common)
+    (tmp_path / "schedule.json").write_text(json.dumps({"total_steps": 5}))  # as a budget shortened it
+    state, history = train_target.run_training(state, step_fn, lambda step: (), resume=True, **common)
+    assert int(state.step) == 5 and [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    assert [h["loss"] for h in history[2:]] == pytest.approx([optim.learning_rate(s, 5) for s in (2, 3, 4)])
