@@ -896,10 +896,8 @@ def test_training_refuses_a_compile_cache_it_cannot_write(command, tmp_path, cap
     args = ["--out", str(tmp_path / "out"), "--compile-cache", str(blocker / "xla")]
     if command is train_draft:
         args += ["--target", str(tmp_path / "target")]
-    with pytest.raises(SystemExit) as stop:
-        command.main(args)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1
+    err = cli_error(command.main, args, capsys)
+    assert err.count("\n") == 1
     assert err.startswith(f"error: --compile-cache {blocker / 'xla'}: cannot write {blocker / 'xla'}")
     assert not (tmp_path / "out").exists()
 
