@@ -3,7 +3,7 @@
 The same lent GPU model varies by host: the same code measured a bs-32 block-8 DFlash step at
 10.3 ms on one H200 and 11.2 ms on another the same day. A change worth a few percent is only
 visible against itself on one machine, so this alternates the op on and off
-(``attention.AUTO_KERNELS``) for ``--rounds`` rounds, clearing the jit caches between settings,
+(``ops.AUTO_KERNELS``) for ``--rounds`` rounds, clearing the jit caches between settings,
 and prints both columns side by side. Cases are ``batch:block[:context]``; block 0 is plain
 decode, otherwise DFlash under acceptance replay at ``--alpha``. Random weights at the Qwen3-8B
 shape, as in bench_e2e.py. The JSON is rewritten after every case.
@@ -26,7 +26,7 @@ from bench_e2e import run_loop  # noqa: E402
 from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
                     positive_int, random_models, require_gpu, run_record, write_json)
 
-from dflash_jax import attention  # noqa: E402
+from dflash_jax import ops  # noqa: E402
 
 
 def parse_cases(spec: str) -> list[tuple[int, int, int]]:
@@ -47,7 +47,7 @@ def parse_cases(spec: str) -> list[tuple[int, int, int]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The settings, every value checked before any device work."""
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--op", required=True, choices=sorted(attention.AUTO_KERNELS))
+    parser.add_argument("--op", required=True, choices=sorted(ops.AUTO_KERNELS))
     parser.add_argument("--cases", type=parse_cases, default="1:0,1:16,8:16,32:8",
                         help="batch:block[:context],...; block 0: plain decode")
     parser.add_argument("--alpha", type=acceptance_rate, default=0.86, help="in [0, 1)")
@@ -72,11 +72,11 @@ def main(argv: list[str] | None = None):
     save = functools.partial(write_json, args.out / "ab_kernels.json", report)
     rows = report["rows"]
     target, draft = random_models(args.shape)
-    default = attention.AUTO_KERNELS[args.op]
+    default = ops.AUTO_KERNELS[args.op]
     try:
         for round_ in range(args.rounds):
             for on in ((True, False) if round_ % 2 == 0 else (False, True)):  # a drift hits both alike
-                attention.AUTO_KERNELS[args.op] = on
+                ops.AUTO_KERNELS[args.op] = on
                 jax.clear_caches()
                 for batch, block, context in args.cases:
                     result = run_loop(target, draft if block else None, batch, context, block or 1, args.steps,
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None):
                     print(f"round {round_} {args.op}={'on' if on else 'off'} bs {batch} block {block} "
                           f"ctx {context}: {ms:.3f} ms/step", file=sys.stderr, flush=True)
     finally:
-        attention.AUTO_KERNELS[args.op] = default
+        ops.AUTO_KERNELS[args.op] = default
     print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | {args.op}, ms per step by round")
     print(f"| case | {args.op} on | off |\n|---|---|---|")
     for batch, block, context in args.cases:

@@ -1,7 +1,8 @@
-"""End-to-end DFlash benchmark at Qwen3-8B shape on one GPU (random weights, acceptance replayed).
+"""End-to-end DFlash benchmark at a real model's shape on one GPU (random weights, acceptance replayed).
 
-Speed does not depend on weight values, so the target (36 layers, hidden 4096, vocab 151936,
-bf16) and a 5-layer draft are random; acceptance is replayed: each draft position is accepted
+Speed does not depend on weight values, so the target (``--shape``: Qwen3-8B by default, 36
+layers, hidden 4096, vocab 151936; LLaMA-3.1-8B; Qwen3-30B-A3B, whose floor counts the routed
+experts only) and a 5-layer draft are random, bf16; acceptance is replayed: each draft position is accepted
 with probability alpha up to the first rejection (expected tau(B) = (1 - alpha^B) / (1 - alpha)).
 The whole machinery runs (draft, verify, commit, variable-length advance); only the accept
 decision is replaced. Every timed chunk starts from a fresh, untimed prefill of the prompts, so
@@ -49,13 +50,16 @@ from dflash_jax.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs,
 from dflash_jax.decode import default_steps_per_check  # noqa: E402
 from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
+from dflash_jax.nn.moe import MoESpec  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
 # Batches and contexts per shape when not given: the issue's grid at Qwen3-8B, a CPU smoke test at
 # tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
-SHAPE_DEFAULTS = {"qwen3-8b": {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32]},
-                  "tiny": {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1]}}
-PARTS_CONTEXT, PARTS_BLOCK = 512, 16
+_GPU_GRID = {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32], "blocks": [4, 8, 16]}
+_CPU_GRID = {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1], "blocks": [4, 8, 16]}
+SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID,
+                  "llama3.1-8b": {**_GPU_GRID, "blocks": [4, 8, 10]}}  # z-lab's LLaMA draft: block 10
+PARTS_CONTEXT, PARTS_BLOCK = 512, 16  # the parts' block: 16, or the draft's trained block when smaller
 REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
 REFERENCE_KEYS = ("decode_step_s", "dflash_step_s")
 
@@ -89,26 +93,43 @@ class Cost:
         return Cost(self.bytes + other.bytes, self.flops + other.flops)
 
 
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts routed by ``tokens`` tokens of ``top_k`` distinct experts each,
+    routing uniform and independent between tokens (what random weights and prompts give):
+    E (1 - (1 - k/E)^tokens). At Qwen3-30B-A3B's 128 x top 8: 8 at 1 token, 82 at 16, 128 at 512."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 class Roofline:
     """What each part of a step must move and compute (the weights it reads, the context's KV
     cache; matmuls at 2 FLOPs per weight per token, attention at 4 per query head and dimension
     per (query, key) pair), turned into a floor time by the measured
     ceilings: the larger of bytes over the copy bandwidth and FLOPs over the matmul rate. A DFlash
-    step is its three parts: draft, verify and commit."""
+    step is its three parts: draft, verify and commit. A MoE layer reads only its routed experts:
+    ``expected_experts`` of them for the tokens of the pass, each token computing top_k."""
 
     def __init__(self, target: Target, draft: Draft, ceilings: dict):
         tc, dc = target.config, draft.config.model
         self.bw, self.rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
         t, d = target.params, draft.params
-        # Every weight a target forward reads (the embedding only a few rows), LM head included.
-        self.target = Cost(nbytes(t) - nbytes(t.embed), 2 * (nparams(t) - nparams(t.embed)))
+        # The routed experts' stacks apart: (num_experts, top_k, bytes per expert, params per expert).
+        self.moe_layers = [(layer.ffn.num_experts, layer.ffn.top_k,
+                            (nbytes(params.ffn.gate_up_proj) + nbytes(params.ffn.down_proj)) / layer.ffn.num_experts,
+                            (nparams(params.ffn.gate_up_proj) + nparams(params.ffn.down_proj)) / layer.ffn.num_experts)
+                           for layer, params in zip(tc.layers, t.layers) if isinstance(layer.ffn, MoESpec)]
+        expert_bytes = sum(e * per_expert for e, _, per_expert, _ in self.moe_layers)
+        expert_params = sum(e * per_expert for e, _, _, per_expert in self.moe_layers)
+        # Every other weight a target forward reads (the embedding only a few rows), LM head included.
+        self.target = Cost(nbytes(t) - nbytes(t.embed) - expert_bytes,
+                           2 * (nparams(t) - nparams(t.embed) - expert_params))
         # The draft's block pass: its layers and final norm, then the LM head again for the draft
         # logits (its own head for a reduced vocabulary); fc is read only by commit.
         head = d.lm_head if d.lm_head is not None else t.lm_head if t.lm_head is not None else t.embed
         self.draft_layers = Cost(nbytes(d.layers) + nbytes(d.norm), 2 * (nparams(d.layers) + nparams(d.norm)))
         self.draft_head = Cost(nbytes(head), 2 * nparams(head))
         # Commit: fc, then each draft layer's k/v columns of qkv_proj for the committed tokens.
-        kv_columns = sum(layer.qkv_proj.shape[0] * (layer.qkv_proj.shape[1] - layer.q_size) for layer in d.layers)
+        kv_columns = sum(layer.attention.qkv_proj.shape[0] * (layer.attention.qkv_proj.shape[1] - layer.attention.q_size)
+                         for layer in d.layers)
         itemsize = d.fc.dtype.itemsize
         self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize, 2 * (nparams(d.fc) + kv_columns))
         kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * cfg.num_layers  # noqa: E731  (K+V, bf16)
@@ -120,12 +141,17 @@ class Roofline:
     def seconds(self, cost: Cost) -> float:
         return max(cost.bytes / self.bw, cost.flops / self.rate)
 
+    def experts(self, tokens: int) -> Cost:
+        """The routed experts of a target pass over ``tokens`` tokens."""
+        return Cost(sum(expected_experts(e, k, tokens) * per_expert for e, k, per_expert, _ in self.moe_layers),
+                    sum(2 * k * params * tokens for _, k, _, params in self.moe_layers))
+
     def verify(self, batch, context, block) -> Cost:
         """The target over ``block`` tokens per sequence (block 1: a plain decode step); the new
         tokens attend to the context and, causally, to each other."""
         pairs = batch * block * (context + (block + 1) / 2)
         return Cost(self.target.bytes + batch * context * self.target_kv_token,
-                    self.target.flops * batch * block + self.target_attention * pairs)
+                    self.target.flops * batch * block + self.target_attention * pairs) + self.experts(batch * block)
 
     def draft(self, batch, context, block) -> Cost:
         """The draft's block pass over ``block`` positions (each attending to the context and the
@@ -142,8 +168,13 @@ class Roofline:
         return self.draft(batch, context, block) + self.verify(batch, context, block) + self.commit(batch, block)
 
     def weight_bytes(self) -> dict:
-        return {"target_weights": self.target.bytes, "draft_block_pass_weights": self.draft_layers.bytes,
-                "lm_head_for_draft_logits": self.draft_head.bytes, "commit_weights": self.commit_weights.bytes}
+        out = {"target_weights": self.target.bytes, "draft_block_pass_weights": self.draft_layers.bytes,
+               "lm_head_for_draft_logits": self.draft_head.bytes, "commit_weights": self.commit_weights.bytes}
+        if self.moe_layers:
+            out["target_weights"] = self.target.bytes + self.experts(1).bytes  # a decode step's routed experts
+            out["target_weights_besides_experts"] = self.target.bytes
+            out["all_experts"] = sum(e * per_expert for e, _, per_expert, _ in self.moe_layers)
+        return out
 
 
 @dataclasses.dataclass
@@ -330,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser.add_argument("--reference-json")
     parser.add_argument("--batches", type=positive_ints, help="default: 1,8,32 (tiny: 1,8)")
     parser.add_argument("--contexts", type=positive_ints, help="default: 512,4096 (tiny: 16,64)")
-    parser.add_argument("--blocks", type=positive_ints, default="4,8,16")
+    parser.add_argument("--blocks", type=positive_ints, help="default: 4,8,16 (llama3.1-8b: 4,8,10)")
     parser.add_argument("--alphas", type=acceptance_rates, default="0.86,0.68", help="each in [0, 1)")
     parser.add_argument("--steps", type=positive_int, default=16, help="DFlash steps per timed chunk "
                         "(the baseline's chunks take twice as many)")
@@ -369,7 +400,7 @@ def main(argv: list[str] | None = None):
     args, reference = parse_args(argv)
     require_gpu(args.shape)
     device = jax.devices()[0].device_kind
-    if reference and reference.get("device", device) != device and args.shape != "tiny":
+    if reference and reference.get("device", device) != device and not args.shape.startswith("tiny"):
         print(f"error: --reference-json was measured on {reference['device']}, this run is on {device}: "
               "a ratio of step times needs one GPU", file=sys.stderr)
         raise SystemExit(2)
@@ -412,14 +443,15 @@ def main(argv: list[str] | None = None):
                 log("decode", batch, context, row)
 
     if "parts" not in args.skip:
+        block = min(PARTS_BLOCK, draft.config.block_size)
         for batch in args.parts_batches:
-            row = time_parts(target, draft, batch, PARTS_CONTEXT, PARTS_BLOCK, 8, args.repeats, rng, args.impl)
-            for part, cost in (("draft", roof.draft(batch, PARTS_CONTEXT, PARTS_BLOCK)),
-                               ("verify", roof.verify(batch, PARTS_CONTEXT, PARTS_BLOCK)),
-                               ("commit", roof.commit(batch, PARTS_BLOCK))):
+            row = time_parts(target, draft, batch, PARTS_CONTEXT, block, 8, args.repeats, rng, args.impl)
+            for part, cost in (("draft", roof.draft(batch, PARTS_CONTEXT, block)),
+                               ("verify", roof.verify(batch, PARTS_CONTEXT, block)),
+                               ("commit", roof.commit(batch, block))):
                 row[f"{part}_roofline_ms"] = roof.seconds(cost) * 1e3
                 row[f"{part}_fraction_of_roofline"] = row[f"{part}_roofline_ms"] / row[f"{part}_ms"]
-            report["parts"][f"bs{batch}_ctx{PARTS_CONTEXT}_block{PARTS_BLOCK}"] = row
+            report["parts"][f"bs{batch}_ctx{PARTS_CONTEXT}_block{block}"] = row
             save()
             log("parts", batch, row)
 
@@ -442,7 +474,7 @@ def main(argv: list[str] | None = None):
 
 def print_table(report):
     c = report["ceilings"]
-    print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | copy "
+    print(f"\n{report['shape']} | {report['device']} | jax {report['jax']} | {report['date']} | copy "
           f"{c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (" +
           ", ".join(f"{k} {v / 1e3:.2f}" for k, v in c["copies_GBps"].items()) +
           f" TB/s) | bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
@@ -452,8 +484,8 @@ def print_table(report):
             print(f"  {name:<20} {r['ms_per_step']:8.2f} {r['roofline_ms']:11.2f} {r['fraction_of_roofline']:9.2f}"
                   f" {r['tokens_per_s']:7.0f}")
     if report["parts"]:
-        print(f"\nDFlash parts (ctx {PARTS_CONTEXT}, block {PARTS_BLOCK}), ms (floor, fraction)"
-              "   draft                verify               commit")
+        print(f"\nDFlash parts (ctx {PARTS_CONTEXT}), ms (floor, fraction)"
+              "              draft                verify               commit")
         for name, r in report["parts"].items():
             print(f"  {name:<28}" + "".join(
                 f" {r[f'{part}_ms']:7.2f} ({r[f'{part}_roofline_ms']:.2f}, {r[f'{part}_fraction_of_roofline']:.2f})"

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
-                    output_dir, positive_ints, require_gpu, run_record, write_json)
+                    output_dir, positive_ints, require_gpu, run_record, tuning_sets, write_json)
 
 from dflash_jax.config import ModelConfig  # noqa: E402
 from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference, matmul_blocks  # noqa: E402
@@ -79,23 +79,6 @@ def pass_modes(text: str) -> list[str]:
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
     return modes
-
-
-def tunings(text: str) -> list[dict]:
-    """argparse type: ';'-separated JSON objects of ``fused_matmul`` tuning keywords."""
-    result = []
-    for item in text.split(";"):
-        try:
-            tuning = json.loads(item)
-        except json.JSONDecodeError as error:
-            raise argparse.ArgumentTypeError(f"{item!r} is not valid JSON ({error})") from None
-        if not isinstance(tuning, dict) or not set(tuning) <= set(TUNING_ARGS):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected an object of {', '.join(TUNING_ARGS)}")
-        bad = {name: value for name, value in tuning.items() if isinstance(value, bool) or not isinstance(value, int)}
-        if bad:
-            raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers, got {bad}")
-        result.append(tuning)
-    return result
 
 
 def check_tunings(parser: argparse.ArgumentParser, args: argparse.Namespace, config: ModelConfig) -> None:
@@ -166,7 +149,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
     parser.add_argument("--rows", type=positive_ints, default="1,8,16")
     parser.add_argument("--passes", type=pass_modes, default="separate,fused,kernel", help="whole-pass modes to time")
-    parser.add_argument("--tunings", type=tunings, default="{}", help="';'-separated JSON keyword sets for the kernel "
+    parser.add_argument("--tunings", type=tuning_sets(TUNING_ARGS), default="{}", help="';'-separated JSON keyword sets for the kernel "
                         "passes (e.g. '{};{\"block_k\": 64}'), each timed")
     args = parser.parse_args(argv)
     config = SHAPES[args.shape][0]

@@ -19,25 +19,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.cli import at_least
-from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.config import DraftConfig, uniform_config
+from dflash_jax.nn.moe import MoESpec
+from dflash_jax.nn.rope import RopeSpec
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
 
-QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
-                       max_position_embeddings=40960)
-DFLASH_DRAFT_8B = DraftConfig(model=dataclasses.replace(QWEN3_8B, num_layers=5, layer_types=()),
-                              block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33),
-                              num_target_layers=36)
-# CPU smoke-test shape: same structure, minutes -> seconds.
-TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
-TINY_DRAFT = DraftConfig(model=dataclasses.replace(TINY, num_layers=2, layer_types=()), block_size=16,
-                         mask_token_id=511, target_layer_ids=(1, 2), num_target_layers=4)
-SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "tiny": (TINY, TINY_DRAFT)}
+QWEN3_8B = uniform_config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                          num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                          max_position_embeddings=40960)
+DFLASH_DRAFT_8B = DraftConfig(model=QWEN3_8B.with_layers(QWEN3_8B.layers[:5]), block_size=16,
+                              mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36)
+# LLaMA-3.1-8B-Instruct: no q/k norms, llama3 RoPE; z-lab's draft: 5 Qwen3 layers, block 10.
+LLAMA31_8B = uniform_config(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
+                            rope=RopeSpec(theta=500000.0, rotary_dim=128, kind="llama3", factor=8.0,
+                                          low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192),
+                            rms_norm_eps=1e-5, max_position_embeddings=131072)
+DFLASH_DRAFT_LLAMA31_8B = DraftConfig(
+    model=uniform_config(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=5, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope=LLAMA31_8B.rope, rms_norm_eps=1e-5),
+    block_size=10, mask_token_id=128002, target_layer_ids=(1, 8, 15, 22, 29), num_target_layers=32)
+# Qwen3-30B-A3B: 48 layers of 128 experts (top 8, width 768); a dense 5-layer Qwen3 draft.
+QWEN3_30B_A3B = uniform_config(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                               num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+                               ffn=MoESpec(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True),
+                               max_position_embeddings=40960)
+DFLASH_DRAFT_30B_A3B = DraftConfig(
+    model=uniform_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=5, num_heads=32,
+                         num_kv_heads=4, head_dim=128, rope_theta=1e6),
+    block_size=16, mask_token_id=151669, target_layer_ids=(1, 12, 23, 34, 45), num_target_layers=48)
+# CPU smoke-test shapes: same structure, minutes -> seconds.
+TINY = uniform_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
+TINY_DRAFT = DraftConfig(model=TINY.with_layers(TINY.layers[:2]), block_size=16, mask_token_id=511,
+                         target_layer_ids=(1, 2), num_target_layers=4)
+TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                          num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6,
+                          ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32), max_position_embeddings=40960)
+SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
+          "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "tiny": (TINY, TINY_DRAFT),
+          "tiny-moe": (TINY_MOE, TINY_DRAFT)}
 # Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
 # enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
-CEILING_SIZES = {"qwen3-8b": (1024, 8192), "tiny": (8, 512)}
+CEILING_SIZES = {"qwen3-8b": (1024, 8192), "llama3.1-8b": (1024, 8192), "qwen3-30b-a3b": (1024, 8192),
+                 "tiny": (8, 512), "tiny-moe": (8, 512)}
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -96,6 +123,26 @@ def names_from(choices: Sequence[str], *, allow_empty: bool = False) -> Callable
     return names
 
 
+def tuning_sets(names: Sequence[str]) -> Callable[[str], list[dict]]:
+    """An argparse type: ';'-separated JSON objects of a kernel's integer tuning keywords
+    ``names`` (e.g. ``{};{"block_k": 64}``), each a variant to time."""
+    def parse(text: str) -> list[dict]:
+        result = []
+        for item in text.split(";"):
+            try:
+                tuning = json.loads(item)
+            except json.JSONDecodeError as error:
+                raise argparse.ArgumentTypeError(f"{item!r} is not valid JSON ({error})") from None
+            if not isinstance(tuning, dict) or not set(tuning) <= set(names):
+                raise argparse.ArgumentTypeError(f"{item!r}: expected an object of {', '.join(names)}")
+            bad = {k: v for k, v in tuning.items() if isinstance(v, bool) or not isinstance(v, int)}
+            if bad:
+                raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers, got {bad}")
+            result.append(tuning)
+        return result
+    return parse
+
+
 def output_dir(text: str) -> Path:
     """A folder to write results into: it may not exist yet (it is made after every check), but
     it may not be a file."""
@@ -106,14 +153,14 @@ def output_dir(text: str) -> Path:
 
 
 def auto_kernel_overrides(text: str) -> dict[str, bool]:
-    """``OP=on|off,...`` for ``attention.AUTO_KERNELS`` (what impl="auto" runs as a kernel)."""
-    from dflash_jax import attention
+    """``OP=on|off,...`` for ``ops.AUTO_KERNELS`` (what impl="auto" runs as a kernel)."""
+    from dflash_jax import ops
     overrides = {}
     for item in filter(None, text.split(",")):
         op, _, value = item.partition("=")
-        if op not in attention.AUTO_KERNELS or value not in ("on", "off"):
+        if op not in ops.AUTO_KERNELS or value not in ("on", "off"):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: expected OP=on|off, OP one of {', '.join(sorted(attention.AUTO_KERNELS))}")
+                f"{item!r}: expected OP=on|off, OP one of {', '.join(sorted(ops.AUTO_KERNELS))}")
         overrides[op] = value == "on"
     return overrides
 
@@ -155,15 +202,15 @@ def write_json(path: Path, data: dict) -> None:
 def add_auto_kernels_option(parser: argparse.ArgumentParser) -> None:
     """``--auto-kernels OP=on|off,...``: what impl="auto" runs as a kernel, for A/B runs."""
     parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",
-                        help="override what impl=auto runs as a kernel (attention.AUTO_KERNELS), for A/B runs")
+                        help="override what impl=auto runs as a kernel (ops.AUTO_KERNELS), for A/B runs")
 
 
 def override_auto_kernels(overrides: dict[str, bool]) -> dict:
-    """Apply ``auto_kernel_overrides`` to ``attention.AUTO_KERNELS`` for this process (A/B runs);
+    """Apply ``auto_kernel_overrides`` to ``ops.AUTO_KERNELS`` for this process (A/B runs);
     returns the table in force."""
-    from dflash_jax import attention
-    attention.AUTO_KERNELS.update(overrides)
-    return dict(attention.AUTO_KERNELS)
+    from dflash_jax import ops
+    ops.AUTO_KERNELS.update(overrides)
+    return dict(ops.AUTO_KERNELS)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -239,7 +286,7 @@ def measure_ceilings(buffer_mib: int, matmul_size: int, repeats: int = 5) -> dic
 def require_gpu(shape: str) -> None:
     """Exit with one ``error:`` line when a real-shape run would time a CPU (``--shape tiny`` is
     the CPU smoke test): without a GPU it would build 16 GB of weights and time nothing useful."""
-    if shape != "tiny" and jax.default_backend() != "gpu":
+    if not shape.startswith("tiny") and jax.default_backend() != "gpu":
         print(f"error: --shape {shape} is timed on a GPU, and jax sees only {jax.default_backend()} "
               "(--shape tiny is the CPU smoke test)", file=sys.stderr)
         raise SystemExit(2)

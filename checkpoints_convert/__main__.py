@@ -1,4 +1,4 @@
-"""Convert an HF folder (Qwen3 target or DFlash draft) into a folder that dflash_jax loads.
+"""Convert an HF folder (a target of any supported family, or a DFlash draft) into a folder that dflash_jax loads.
 Errors print one line and exit 2, as the other command lines do (130 on Ctrl-C or a kill);
 nothing is left behind."""
 

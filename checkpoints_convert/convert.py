@@ -1,10 +1,10 @@
 """HF folder -> converted folder (orbax params + config.json + tokenizer files + marker).
 
 Conversion streams the source tensor by tensor into host arrays of the output dtype and writes
-them with orbax without further copies, so peak memory is about the converted params' size
-(with orbax-checkpoint >= 0.12.5: a 16 GB bf16 Qwen3-8B converts on a 24 GB machine). Output is
-atomic: everything is written into a hidden sibling directory that is renamed to OUT only when
-complete.
+each layer with orbax as soon as its last tensor arrives, without further copies (with
+orbax-checkpoint >= 0.12.5), so peak memory is about one layer: a 61 GB bf16 Qwen3-30B-A3B
+converts on a 24 GB machine. Output is atomic: everything is written into a hidden sibling
+directory that is renamed to OUT only when complete.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
-import sys
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -109,9 +108,18 @@ def _apply_umask_permissions(root: Path) -> None:
             path.chmod(folder_mode if path.is_dir() else folder_mode & 0o666)
 
 
+def _until(interrupted, leaves):
+    """``leaves``, raising KeyboardInterrupt before the next one once an interrupt has arrived
+    (the layers already handed to orbax finish writing first)."""
+    for leaf in leaves:
+        if interrupted():
+            raise KeyboardInterrupt
+        yield leaf
+
+
 def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,
             progress: bool = True) -> Path:
-    """Convert the HF folder ``src`` (Qwen3 target, or DFlash draft in z-lab or speculators
+    """Convert the HF folder ``src`` (a target of any supported family, or a DFlash draft in z-lab or speculators
     format, told apart by its config.json) into ``out``, which ``dflash_jax.models.load_target``
     / ``load_draft`` then read. Floats are stored as ``dtype``. Raises ConfigError or
     CheckpointError (naming the field or tensor) when config and weights disagree, and
@@ -128,21 +136,18 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
     if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
         raise ValueError(f"output {out} would replace the source folder {src}")
     kind = "draft" if is_draft_config(read_config_json(src)) else "target"
-    load = checkpoint.load_hf_draft if kind == "draft" else checkpoint.load_hf_target
     with atomic_output(out, overwrite) as tmp:
-        config, params = load(src, DTYPES[dtype], host=True, progress=progress)
+        config, structure, leaves = checkpoint.hf_source(src, kind, DTYPES[dtype], progress=progress)
         if kind == "draft" and config.source_format == "speculators" and config.draft_vocab_size is None:
             dropped = checkpoint.speculators_copies(src)
             if dropped:
                 warnings.warn(f"{src}: the draft's own {' and '.join(dropped)} are not kept: a converted draft uses "
                               "the target's (vLLM would use the draft's); load_draft on the HF folder with its "
                               "target warns if they differ", stacklevel=2)
-        if progress:
-            print(f"writing {out} ...", file=sys.stderr, flush=True)
         # orbax writes from threads that outlive a KeyboardInterrupt in this one: let them finish
         # before the partial output is removed
         with deferred_interrupts("finishing the write of params/, then removing the partial output") as interrupted:
-            checkpoint.save_params(tmp, params)
+            checkpoint.save_params(tmp, checkpoint.LeafStream(structure, _until(interrupted, leaves)))
         if interrupted():
             raise KeyboardInterrupt
         for name in ("config.json",) + SIDE_FILES:

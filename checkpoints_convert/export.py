@@ -1,8 +1,9 @@
 """JAX params -> HF folders: a DFlash draft in z-lab format (what ``dflash.model.DFlashDraftModel
-.from_pretrained``, SGLang and vLLM load) and a Qwen3 target (``Qwen3ForCausalLM``).
+.from_pretrained``, SGLang and vLLM load) and a target of any supported family (its own
+``*ForCausalLM``: Qwen3, LLaMA, Qwen3-MoE).
 
-Used to hand a draft trained here to the PyTorch ecosystem. Tensor names come from
-``dflash_jax.checkpoint``'s slot tables, the same ones the loaders read. Weights are written
+Used to hand a draft trained here to the PyTorch ecosystem. Tensor names and config fields come
+from the family tables (``dflash_jax.families``), the same ones the loaders read. Weights are written
 shard by shard (torch ``[out, in]`` layout, safetensors), so memory beyond the params stays
 below one shard; the folder appears atomically.
 
@@ -23,8 +24,10 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from checkpoints_convert.convert import SIDE_FILES, atomic_output
-from dflash_jax.checkpoint import HFTensor, draft_slots, hf_tensors, target_slots
+from dflash_jax import families
+from dflash_jax.checkpoint import HFTensor, hf_tensors
 from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.families.tensors import draft_slots, target_slots
 from dflash_jax.models import DTYPES
 from dflash_jax.params import DraftParams, TargetParams
 
@@ -32,26 +35,10 @@ _HEADER_BYTES = 128  # safetensors header allowance per tensor (besides its name
 DEFAULT_MAX_SHARD_MB = 5000  # as transformers' save_pretrained (5 GB shards)
 
 
-def _qwen3_fields(model: ModelConfig, dtype: str) -> dict[str, Any]:
-    """The Qwen3Config fields of a layer stack (``rope_parameters`` and ``dtype`` for
-    transformers 5, ``rope_theta`` and ``torch_dtype`` for older readers)."""
-    sliding = "sliding_attention" in model.layer_types
-    fields = {
-        "model_type": "qwen3", "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-        "head_dim": model.head_dim, "hidden_act": "silu", "attention_bias": False,
-        "rms_norm_eps": model.rms_norm_eps, "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-        "max_position_embeddings": model.max_position_embeddings,
-        "tie_word_embeddings": model.tie_word_embeddings, "layer_types": list(model.layer_types),
-        "use_sliding_window": sliding, "sliding_window": model.sliding_window if sliding else None,
-        "dtype": dtype, "torch_dtype": dtype,
-    }
-    if model.eos_token_ids:
-        ids = list(model.eos_token_ids)
-        fields["eos_token_id"] = ids[0] if len(ids) == 1 else ids
-    return fields
+def _config_json(model: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The config.json of a layer stack, as its family writes it (``dtype`` for transformers 5,
+    ``torch_dtype`` for older readers)."""
+    return {**families.get(model.family).export_fields(model), "dtype": dtype, "torch_dtype": dtype}
 
 
 def _float_dtype(tensors: list[HFTensor], dtype: str | None) -> str:
@@ -160,7 +147,7 @@ def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, 
         dflash["output_multiplier"] = config.output_multiplier
     if config.final_logit_softcapping:
         dflash["final_logit_softcapping"] = config.final_logit_softcapping
-    raw = {"architectures": ["DFlashDraftModel"], **_qwen3_fields(model, _float_dtype(tensors, dtype)),
+    raw = {**_config_json(model, _float_dtype(tensors, dtype)), "architectures": ["DFlashDraftModel"],
            "tie_word_embeddings": False, "block_size": config.block_size,
            "num_target_layers": config.num_target_layers, "dflash_config": dflash}
     # The reference makes sliding-window layers causal and the rest bidirectional unless
@@ -178,12 +165,13 @@ def export_target(config: ModelConfig, params: TargetParams, out_dir: str | Path
                   max_shard_mb: int = DEFAULT_MAX_SHARD_MB, dtype: str | None = None,
                   overwrite: bool = False, side_files_from: str | Path | None = None,
                   progress: bool = False) -> Path:
-    """Write ``params`` as an HF Qwen3ForCausalLM folder (``model.``-prefixed names;
-    ``lm_head.weight`` only when untied). Tokenizer files are not part of params: pass the
-    source model's folder as ``side_files_from`` (it may be ``out_dir`` itself, with
+    """Write ``params`` as an HF folder of the config's family (``Qwen3ForCausalLM``,
+    ``LlamaForCausalLM``, ``Qwen3MoeForCausalLM``: ``model.``-prefixed names, one tensor per
+    expert, ``lm_head.weight`` only when untied). Tokenizer files are not part of params: pass
+    the source model's folder as ``side_files_from`` (it may be ``out_dir`` itself, with
     ``overwrite``). Other arguments as for ``export_draft``.
     """
     _check_types(config, ModelConfig, params, TargetParams)
     tensors = hf_tensors(target_slots(config), params)
-    raw = {"architectures": ["Qwen3ForCausalLM"], **_qwen3_fields(config, _float_dtype(tensors, dtype))}
+    raw = _config_json(config, _float_dtype(tensors, dtype))
     return _write_folder(out_dir, raw, tensors, dtype, max_shard_mb, overwrite, side_files_from, progress)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.nn.attention import AttentionSpec
 
 
 class OutOfPagesError(RuntimeError):
@@ -56,6 +57,12 @@ class PagedKVCache:
         ks[index], vs[index] = k, v
         return self.replace(k=tuple(ks), v=tuple(vs))
 
+    def commit(self, lengths: jax.Array) -> "PagedKVCache":
+        """The one place a step's outcome enters the cache: each sequence now holds ``lengths``
+        [batch] committed tokens. K/V written past them (a rejected draft's) is simply never read
+        and is overwritten later: lengths, not copies."""
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
 
 def allocate_pages(tokens_per_seq: list[int], page_size: int, num_pages: int | None = None,
                    rng: np.random.Generator | None = None) -> tuple[np.ndarray, int]:
@@ -84,17 +91,21 @@ def allocate_pages(tokens_per_seq: list[int], page_size: int, num_pages: int | N
     return table, num_pages
 
 
-def init_cache(layer_configs: list[tuple[ModelConfig, int]], page_table: np.ndarray, num_pages: int,
+def kv_layers(config: ModelConfig | None) -> tuple[AttentionSpec, ...]:
+    """The attention of each of ``config``'s layers that keeps K/V pages (none for None)."""
+    return () if config is None else tuple(layer.mixer for layer in config.layers)
+
+
+def init_cache(target: ModelConfig | None, draft: ModelConfig | None, page_table: np.ndarray, num_pages: int,
                page_size: int, dtype, fill: float = 0.0) -> PagedKVCache:
-    """Zeroed (or ``fill``-ed: tests poison with NaN) pages for each (config, num_layers) group,
-    target group first."""
+    """Zeroed (or ``fill``-ed: tests poison with NaN) pages for every attention layer of the
+    target and then of the draft's layer stack (either may be None: a target alone, or a draft
+    trained over its own context)."""
     ks, vs = [], []
-    for config, count in layer_configs:
-        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-        for _ in range(count):
-            ks.append(jnp.full(shape, fill, dtype))
-            vs.append(jnp.full(shape, fill, dtype))
+    for spec in kv_layers(target) + kv_layers(draft):
+        shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        ks.append(jnp.full(shape, fill, dtype))
+        vs.append(jnp.full(shape, fill, dtype))
     batch = page_table.shape[0]
     return PagedKVCache(k=tuple(ks), v=tuple(vs), page_table=jnp.asarray(page_table, jnp.int32),
-                        lengths=jnp.zeros((batch,), jnp.int32),
-                        num_target_layers=layer_configs[0][1])
+                        lengths=jnp.zeros((batch,), jnp.int32), num_target_layers=len(kv_layers(target)))

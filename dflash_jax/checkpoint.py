@@ -2,15 +2,15 @@
 this library's orbax checkpoints. Every shape is checked against the config; missing, extra or
 misshapen tensors raise CheckpointError naming the tensor.
 
-One table per model kind (``target_slots``, ``draft_slots``) maps each HF tensor name to its
-place in the params pytree; loading and exporting both read it, so the names live in one place.
+Which HF tensor goes where is the family's table (``dflash_jax.families.tensors``): loading,
+conversion and exporting all read it, so the names live in one place. Tensors that share a leaf
+(q/k/v columns, a MoE layer's experts) are written into one preallocated buffer as they arrive.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import inspect
 import json
 import sys
@@ -25,100 +25,19 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config, read_json
+from dflash_jax.families import get as get_family
+from dflash_jax.families.tensors import Slot, draft_slots, target_slots
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 
-PARAMS_DIR = "params"          # orbax checkpoint inside a converted folder
+PARAMS_DIR = "params"          # orbax checkpoints inside a converted folder, one per group of leaves
 MARKER_FILE = "dflash_jax.json"
-FORMAT_VERSION = 2             # of converted folders; bump when their layout changes (2: fused qkv/gate_up)
+# of converted folders; bump when their layout changes (2: fused qkv/gate_up; 3: params by layer
+# and block, one orbax checkpoint per layer)
+FORMAT_VERSION = 3
 
 
 class CheckpointError(ValueError):
     """Weights that do not match their config."""
-
-
-# HF name inside a layer -> (LayerParams field, stored transposed). q/k/v and gate/up share one
-# fused field each, in this order (``_layer_slots`` gives each its column range).
-_LAYER_TENSORS = {
-    "input_layernorm.weight": ("input_norm", False),
-    "self_attn.q_proj.weight": ("qkv_proj", True),
-    "self_attn.k_proj.weight": ("qkv_proj", True),
-    "self_attn.v_proj.weight": ("qkv_proj", True),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "post_attention_layernorm.weight": ("post_attention_norm", False),
-    "mlp.gate_proj.weight": ("gate_up_proj", True),
-    "mlp.up_proj.weight": ("gate_up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
-}
-
-
-def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF-orientation ([out, in]) shape of every tensor in a layer."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    q, kv = config.num_heads * d, config.num_kv_heads * d
-    return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
-            "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,),
-            "self_attn.k_norm.weight": (d,), "post_attention_layernorm.weight": (h,),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """Where one HF tensor lives in a params pytree.
-
-    ``path`` is the leaf's key path (``("layers", 3, "o_proj")``), or None for a tensor that is
-    checked and dropped (speculators' ``t2d``, derivable from ``d2t``). ``shape`` is the HF
-    ([out, in]) shape; ``transposed`` marks torch Linear weights, stored ``[in, out]`` here.
-    ``columns`` (start, stop) places a tensor inside a fused leaf (q/k/v in ``qkv_proj``).
-    ``integer`` marks an id map (``d2t``, ``t2d``), stored int32; every other tensor is a float.
-    """
-
-    path: tuple | None
-    shape: tuple[int, ...]
-    transposed: bool = False
-    columns: tuple[int, int] | None = None
-    integer: bool = False
-
-
-def _layer_slots(config: ModelConfig, prefix: str) -> dict[str, Slot]:
-    shapes = _layer_shapes(config)
-    columns, offsets = {}, {}
-    for name, (field, transposed) in _LAYER_TENSORS.items():
-        if field in ("qkv_proj", "gate_up_proj"):
-            start = offsets.get(field, 0)
-            offsets[field] = start + shapes[name][0]
-            columns[name] = (start, offsets[field])
-    return {f"{prefix}{n}.{name}": Slot(("layers", n, field), shapes[name], transposed, columns.get(name))
-            for n in range(config.num_layers) for name, (field, transposed) in _LAYER_TENSORS.items()}
-
-
-def target_slots(config: ModelConfig) -> dict[str, Slot]:
-    """HF Qwen3ForCausalLM tensor names of a target (``lm_head.weight`` only when untied)."""
-    v, h = config.vocab_size, config.hidden_size
-    slots = _layer_slots(config, "model.layers.")
-    slots["model.embed_tokens.weight"] = Slot(("embed",), (v, h))
-    slots["model.norm.weight"] = Slot(("norm",), (h,))
-    if not config.tie_word_embeddings:
-        slots["lm_head.weight"] = Slot(("lm_head",), (v, h), True)
-    return slots
-
-
-def draft_slots(config: DraftConfig) -> dict[str, Slot]:
-    """Tensor names of a DFlash draft (no ``model.`` prefix). A reduced-vocabulary speculators
-    draft adds its own LM head rows, ``d2t`` and ``t2d``."""
-    model = config.model
-    h = model.hidden_size
-    slots = _layer_slots(model, "layers.")
-    slots["fc.weight"] = Slot(("fc",), (h, len(config.target_layer_ids) * h), True)
-    slots["hidden_norm.weight"] = Slot(("hidden_norm",), (h,))
-    slots["norm.weight"] = Slot(("norm",), (h,))
-    if config.draft_vocab_size is not None:
-        slots["lm_head.weight"] = Slot(("lm_head",), (config.draft_vocab_size, h), True)
-        slots["d2t"] = Slot(("d2t",), (config.draft_vocab_size,), integer=True)
-        slots["t2d"] = Slot(None, (model.vocab_size,))  # often bool: checked for shape only
-    return slots
 
 
 # Tensors of a full-vocabulary speculators draft that this library does not keep: copies of the
@@ -199,17 +118,20 @@ def _count_tensors(directory: Path) -> int:
     return total
 
 
-def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str], bool], *,
-          host: bool, progress: bool) -> dict[tuple, Any]:
-    """Stream every tensor of an HF folder into its slot: check name and shape before loading,
-    transpose Linear weights, cast floats to ``dtype`` (id maps to int32), then keep it as a
-    numpy array (``host``) or a device array. Holds one source tensor at a time besides the
-    converted ones (and the parts of a fused leaf until its last part arrives). Returns
-    {key path: array}."""
+def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ignored: Callable[[str], bool], *,
+                  progress: bool) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Stream every tensor of an HF folder into its slot and yield each leaf (key path, host
+    array) as soon as it is whole: check name and shape before loading, transpose Linear
+    weights, cast floats to ``dtype`` (id maps to int32). A tensor that fills part of a leaf
+    (``Slot.columns``, ``Slot.expert``) is copied into the leaf's buffer, allocated at its first
+    part (the shapes come from ``structure``, the params' ShapeDtypeStructs). Holds one source
+    tensor at a time besides the leaves still incomplete. CheckpointError for tensors missing at
+    the end."""
     where = str(directory)
-    values, seen = {}, set()
-    parts_expected = collections.Counter(slot.path for slot in slots.values() if slot.columns)
-    parts = collections.defaultdict(dict)
+    shapes = {path: leaf.shape for path, leaf in _leaves_by_path(structure).items()}
+    seen = set()
+    parts_left = collections.Counter(slot.path for slot in slots.values() if slot.is_part)
+    buffers = {}
     tensors = iter_tensors(directory)
     if progress:
         tensors = tqdm(tensors, total=_count_tensors(directory), desc=f"reading {directory.name}",
@@ -235,18 +157,23 @@ def _read(directory: Path, slots: dict[str, Slot], dtype, ignored: Callable[[str
             raise CheckpointError(f"{where}: tensor '{name}' has dtype {array.dtype}, expected "
                                   f"{'an integer' if slot.integer else 'a float'} dtype")
         array = host_layout(array, slot.transposed, target, f"{where}: tensor '{name}'")
-        if slot.columns:
-            parts[slot.path][slot.columns] = array
-            if len(parts[slot.path]) < parts_expected[slot.path]:
+        if slot.is_part:
+            buffer = buffers.get(slot.path)
+            if buffer is None:
+                buffer = buffers[slot.path] = np.empty(shapes[slot.path], array.dtype)
+            view = buffer if slot.expert is None else buffer[slot.expert]
+            view[..., slice(*(slot.columns or (None, None)))] = array
+            del array
+            parts_left[slot.path] -= 1
+            if parts_left[slot.path]:
                 continue
-            array = np.concatenate([part for _, part in sorted(parts.pop(slot.path).items())], axis=1)
-        values[slot.path] = array if host else jax.device_put(array)
+            array = buffers.pop(slot.path)
+        yield slot.path, array
         del array  # before the next load: one source tensor at a time
     missing = sorted(set(slots) - seen)
     if missing:
         shown = ", ".join(f"'{m}'" for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise CheckpointError(f"{where}: missing {len(missing)} tensor(s): {shown}")
-    return values
 
 
 def host_layout(array, transposed: bool, dtype, what: str) -> np.ndarray:
@@ -266,30 +193,74 @@ def _rotary(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")  # derived, not a weight
 
 
+def _target_source(directory: Path, dtype, progress: bool) -> tuple[ModelConfig, Any, Iterator]:
+    """(config, params structure, leaf stream) of an HF target folder of any family."""
+    config = load_target_config(directory)
+    names = get_family(config.family).names
+    # A tied checkpoint may still carry a copy of lm_head: checked once the embedding is read.
+    ignored = lambda name: _rotary(name) or (name == names.lm_head and config.tie_word_embeddings)  # noqa: E731
+    structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
+
+    def leaves():
+        for path, array in stream_leaves(directory, target_slots(config), structure, dtype, ignored,
+                                         progress=progress):
+            if path == ("embed",) and config.tie_word_embeddings:
+                _warn_if_head_differs(directory, names.lm_head, array)
+            yield path, array
+
+    return config, structure, leaves()
+
+
+def _draft_source(directory: Path, dtype, progress: bool) -> tuple[DraftConfig, Any, Iterator]:
+    """(config, params structure, leaf stream) of an HF draft folder (z-lab or speculators)."""
+    config = load_draft_config(directory)
+    if config.source_format == "speculators":
+        # Speculators drafts carry copies of the target's embedding and LM head (the target's are
+        # used, see check_speculators_copies), unless a reduced vocabulary makes lm_head.weight
+        # their own (then it is a slot, as are d2t and t2d). A full vocabulary may come with
+        # identity d2t/t2d maps.
+        ignored = lambda name: _rotary(name) or name in SPECULATORS_COPIES  # noqa: E731
+    else:
+        ignored = _rotary
+    structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
+
+    def leaves():
+        yield from stream_leaves(directory, draft_slots(config), structure, dtype, ignored, progress=progress)
+        if config.source_format == "speculators" and config.draft_vocab_size is None:
+            _check_identity_d2t(directory)
+
+    return config, structure, leaves()
+
+
+def hf_source(directory: str | Path, kind: str, dtype, *, progress: bool = False) -> tuple[Any, Any, Iterator]:
+    """(config, params structure, stream of (key path, host array)) of an HF ``kind`` ("target"
+    or "draft") folder: what conversion writes as it reads."""
+    source = _target_source if kind == "target" else _draft_source
+    return source(Path(directory), dtype, progress)
+
+
+def _collect(structure, leaves: Iterator, host: bool):
+    """The params pytree of a leaf stream: numpy leaves (``host``) or device arrays, each put on
+    the device as it arrives."""
+    return _fill(structure, {path: array if host else jax.device_put(array) for path, array in leaves})
+
+
 def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
                    progress: bool = False) -> tuple[ModelConfig, TargetParams]:
-    """Load an HF Qwen3 folder (single file or sharded; any float dtype) as ``dtype`` params.
+    """Load an HF target folder of any supported family (single file or sharded; any float
+    dtype) as ``dtype`` params.
 
-    ``host=True`` keeps numpy leaves (for writing a checkpoint without a device copy);
-    ``progress`` shows a tqdm bar over tensors on stderr.
+    ``host=True`` keeps numpy leaves; ``progress`` shows a tqdm bar over tensors on stderr.
     """
-    directory = Path(directory)
-    config = load_target_config(directory)
-    # A tied checkpoint may still carry a copy of lm_head.
-    ignored = lambda name: _rotary(name) or (name == "lm_head.weight" and config.tie_word_embeddings)  # noqa: E731
-    slots = target_slots(config)
-    values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
-    if config.tie_word_embeddings:
-        _warn_if_head_differs(directory, values[slots["model.embed_tokens.weight"].path])
-    structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
-    return config, _fill(structure, values)
+    config, structure, leaves = _target_source(Path(directory), dtype, progress)
+    return config, _collect(structure, leaves, host)
 
 
-def _warn_if_head_differs(directory: Path, embed) -> None:
-    """A tied checkpoint's stored lm_head.weight (if any) is ignored; say so when it is not the
+def _warn_if_head_differs(directory: Path, head_name: str, embed) -> None:
+    """A tied checkpoint's stored LM head (if any) is ignored; say so when it is not the
     embedding. Reads only the shard headers unless the head is there."""
     for name, load, _ in iter_tensors(directory):
-        if name == "lm_head.weight":
+        if name == head_name:
             embed = np.asarray(embed)
             if not np.array_equal(np.asarray(load(), dtype=embed.dtype), embed):
                 warnings.warn(f"{directory}: config.json ties the LM head to the embedding "
@@ -302,22 +273,8 @@ def _warn_if_head_differs(directory: Path, embed) -> None:
 def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
                   progress: bool = False) -> tuple[DraftConfig, DraftParams]:
     """Load a DFlash draft in z-lab or speculators format (``host``/``progress`` as for targets)."""
-    directory = Path(directory)
-    config = load_draft_config(directory)
-    slots = draft_slots(config)
-    if config.source_format == "speculators":
-        # Speculators drafts carry copies of the target's embedding and LM head (the target's are
-        # used, see check_speculators_copies), unless a reduced vocabulary makes lm_head.weight
-        # their own (then it is a slot, as are d2t and t2d). A full vocabulary may come with
-        # identity d2t/t2d maps.
-        ignored = lambda name: _rotary(name) or name in SPECULATORS_COPIES  # noqa: E731
-    else:
-        ignored = _rotary
-    values = _read(directory, slots, dtype, ignored, host=host, progress=progress)
-    if config.source_format == "speculators" and config.draft_vocab_size is None:
-        _check_identity_d2t(directory)
-    structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
-    return config, _fill(structure, values)
+    config, structure, leaves = _draft_source(Path(directory), dtype, progress)
+    return config, _collect(structure, leaves, host)
 
 
 def _check_identity_d2t(directory: Path) -> None:
@@ -359,23 +316,27 @@ def check_speculators_copies(directory: str | Path, target: TargetParams) -> Non
 
 
 class HFTensor(NamedTuple):
-    """One HF tensor of params: ``leaf[:, columns]`` (the whole leaf when ``columns`` is None),
-    transposed when ``transposed``. Sliced only when read (``host``), so listing a checkpoint's
-    tensors copies nothing."""
+    """One HF tensor of params: ``leaf[expert][..., columns]`` (``expert`` and ``columns`` None:
+    all of it), transposed when ``transposed``. Sliced only when read (``host``), so listing a
+    checkpoint's tensors copies nothing."""
 
     name: str
     leaf: Any
     columns: tuple[int, int] | None
     transposed: bool
+    expert: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = self.leaf.shape if self.columns is None else (self.leaf.shape[0], self.columns[1] - self.columns[0])
-        return tuple(reversed(shape)) if self.transposed else tuple(shape)
+        shape = tuple(self.leaf.shape[1:] if self.expert is not None else self.leaf.shape)
+        if self.columns is not None:
+            shape = (*shape[:-1], self.columns[1] - self.columns[0])
+        return tuple(reversed(shape)) if self.transposed else shape
 
     def host(self, dtype) -> np.ndarray:
         """The tensor in HF (torch ``[out, in]``) layout as a host array of ``dtype``."""
-        leaf = self.leaf if self.columns is None else self.leaf[:, slice(*self.columns)]
+        leaf = self.leaf if self.expert is None else self.leaf[self.expert]
+        leaf = leaf if self.columns is None else leaf[..., slice(*self.columns)]
         return host_layout(leaf, self.transposed, dtype, f"tensor '{self.name}'")
 
 
@@ -392,8 +353,8 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
             fused_width[slot.path] = max(fused_width[slot.path], slot.columns[1])
     for path, width in fused_width.items():
         leaf = leaves.get(path)
-        if leaf is not None and leaf.shape[1] != width:
-            raise CheckpointError(f"params leaf '{'.'.join(map(str, path))}' has {leaf.shape[1]} columns, "
+        if leaf is not None and leaf.shape[-1] != width:
+            raise CheckpointError(f"params leaf '{'.'.join(map(str, path))}' has {leaf.shape[-1]} columns, "
                                   f"the config's fused tensors need {width}")
     out = []
     for name, slot in slots.items():
@@ -402,7 +363,7 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
         leaf = leaves.get(slot.path)
         if leaf is None:
             raise CheckpointError(f"params lack tensor '{name}' that the config requires")
-        tensor = HFTensor(name, leaf, slot.columns or None, slot.transposed)
+        tensor = HFTensor(name, leaf, slot.columns, slot.transposed, slot.expert)
         if tensor.shape != slot.shape:
             raise CheckpointError(f"tensor '{name}' has shape {list(tensor.shape)} in params, "
                                   f"config expects {list(slot.shape)}")
@@ -434,14 +395,40 @@ def read_marker(directory: str | Path, kind: str) -> dict:
     return marker
 
 
-def save_params(directory: Path, params) -> None:
-    """Write a params pytree as an orbax checkpoint at ``directory / PARAMS_DIR``.
+class LeafStream(NamedTuple):
+    """Params that arrive one leaf at a time (a conversion reading its source): ``structure`` is
+    the params' pytree of ShapeDtypeStructs, ``leaves`` yields (key path, array) once per leaf."""
 
-    Numpy leaves are written in place: orbax's default deep-copies host arrays, and compression
-    buffers every encoded array until the commit, each nearly doubling peak memory. Without
-    them a conversion peaks at about the params' own size. orbax-checkpoint < 0.12.5 always
-    copies (a warning says so).
-    """
+    structure: Any
+    leaves: Iterator[tuple[tuple, Any]]
+
+
+def _group_of(path: tuple) -> tuple:
+    """The group a leaf is saved in: its layer (``("layers", 3)``) or, outside the layers, itself."""
+    return path[:2] if path[0] == "layers" else path[:1]
+
+
+def _nest(leaves: dict[tuple, Any], group: tuple) -> dict:
+    """A group's leaves as nested dicts keyed by their path below the group (orbax's tree)."""
+    tree: dict = {}
+    for path, leaf in leaves.items():
+        relative = path[len(group):] or path[-1:]
+        node = tree
+        for key in relative[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(relative[-1])] = leaf
+    return tree
+
+
+def _group_leaves(tree) -> dict[tuple, Any]:
+    """{relative key path: leaf} of a group's nested tree (the inverse of ``_nest``)."""
+    return {tuple(str(k) for k in path): leaf for path, leaf in _leaves_by_path(tree).items()}
+
+
+def _params_writer():
+    """An orbax Checkpointer that writes numpy leaves in place: orbax's default deep-copies host
+    arrays, and compression buffers every encoded array until the commit, each nearly doubling
+    peak memory. orbax-checkpoint < 0.12.5 always copies (a warning says so)."""
     import orbax.checkpoint as ocp
 
     handlers = ocp.type_handlers
@@ -449,14 +436,40 @@ def save_params(directory: Path, params) -> None:
         numpy_handler = handlers.NumpyHandler(deepcopy_host_arrays=False)
     else:
         warnings.warn("this orbax-checkpoint (< 0.12.5) copies every array before writing it, so saving "
-                      "needs about twice the params' size in host memory; a newer orbax-checkpoint does not",
-                      stacklevel=2)
+                      "needs about twice the largest layer's size in host memory; a newer orbax-checkpoint "
+                      "does not", stacklevel=3)
         numpy_handler = handlers.NumpyHandler()
     registry = handlers.create_type_handler_registry(
         (np.ndarray, numpy_handler), (jax.Array, handlers.ArrayHandler()))
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
-    with ocp.Checkpointer(handler) as checkpointer:
-        checkpointer.save((directory / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False))
+
+
+def save_params(directory: Path, params) -> None:
+    """Write params (a pytree, or a ``LeafStream``) under ``directory / PARAMS_DIR``: one orbax
+    checkpoint per group of leaves (a layer, or one top-level tensor), each written as soon as
+    its last leaf arrives and then let go. A conversion therefore holds about one layer in host
+    memory (a 60 GB MoE converts on a 24 GB machine), never the whole model."""
+    import orbax.checkpoint as ocp
+
+    stream = params if isinstance(params, LeafStream) else LeafStream(params, iter(_leaves_by_path(params).items()))
+    expected = collections.Counter(_group_of(path) for path in _leaves_by_path(stream.structure))
+    root = (directory / PARAMS_DIR).absolute()
+    root.mkdir()
+    pending: dict[tuple, dict] = collections.defaultdict(dict)
+    written = set()
+    with _params_writer() as checkpointer:
+        for path, array in stream.leaves:
+            group = _group_of(path)
+            pending[group][path] = array
+            del array
+            if len(pending[group]) == expected[group]:
+                tree = _nest(pending.pop(group), group)
+                checkpointer.save(root / ".".join(map(str, group)), args=ocp.args.PyTreeSave(tree))
+                written.add(group)
+                del tree
+    unwritten = sorted(".".join(map(str, group)) for group in set(expected) - written)
+    if unwritten:  # a stream that ended early: a bug in the caller, never a silent partial checkpoint
+        raise CheckpointError(f"the params stream ended before {unwritten} were whole")
 
 
 @contextlib.contextmanager
@@ -476,52 +489,59 @@ def _unreadable_params(directory: str | Path):
 
 def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None, *,
                    progress: bool = False):
-    """Read an orbax params checkpoint into the structure of ``abstract`` (ShapeDtypeStructs):
-    leaves are cast to its dtypes and placed with ``sharding`` (default: the first device).
-    Raises CheckpointError naming the leaf when the stored params do not match ``abstract``
-    (orbax itself would fill a missing leaf with None).
+    """Read the params written by ``save_params`` into the structure of ``abstract``
+    (ShapeDtypeStructs): leaves are cast to its dtypes and placed with ``sharding`` (default: the
+    first device). Raises CheckpointError naming the leaf when the stored params do not match
+    ``abstract`` (orbax itself would fill a missing leaf with None), before reading any weights.
 
-    Read one group of sibling leaves at a time (a layer; the top-level tensors), which bounds the
-    host memory orbax stages to about one layer (in one call it stages up to the whole model,
-    measured 1.5x its size at peak) and lets ``progress`` show a tqdm bar over bytes on stderr."""
+    Reads one group (a layer) at a time, which bounds the host memory orbax stages to about one
+    layer and lets ``progress`` show a tqdm bar over bytes on stderr."""
     import orbax.checkpoint as ocp
 
-    path = (Path(directory) / PARAMS_DIR).absolute()
+    root = (Path(directory) / PARAMS_DIR).absolute()
+    wanted = collections.defaultdict(dict)  # group -> {relative path: abstract leaf}
+    full_path = {}
+    for path, leaf in _leaves_by_path(abstract).items():
+        group = _group_of(path)
+        relative = tuple(str(k) for k in (path[len(group):] or path[-1:]))
+        wanted[group][relative] = leaf
+        full_path[group, relative] = path
+    names = {".".join(map(str, group)): group for group in wanted}
+    describe = lambda leaf: "absent" if leaf is None else list(leaf.shape)  # noqa: E731
     with _unreadable_params(directory), ocp.StandardCheckpointer() as checkpointer:
-        metadata = checkpointer.metadata(path) if path.is_dir() else None
-        if metadata is None or metadata.item_metadata is None:
+        if not root.is_dir():
             raise CheckpointError(f"{directory}: {PARAMS_DIR}/ is missing or has no orbax metadata; "
                                   "convert the model again")
-        stored = _leaves_by_path(metadata.item_metadata.tree)
-    wanted = _leaves_by_path(abstract)
-    for key in sorted(set(stored) | set(wanted), key=str):
-        have, want = stored.get(key), wanted.get(key)
-        if have is None or want is None or tuple(have.shape) != tuple(want.shape):
-            describe = lambda leaf: "absent" if leaf is None else list(leaf.shape)  # noqa: E731
-            raise CheckpointError(f"{directory}: params leaf '{'.'.join(map(str, key))}' is {describe(have)} "
-                                  f"in the checkpoint, config.json expects {describe(want)}")
+        for extra in sorted({p.name for p in root.iterdir() if p.is_dir()} - set(names)):
+            metadata = checkpointer.metadata(root / extra).item_metadata
+            relative, leaf = next(iter(_group_leaves(metadata.tree).items())) if metadata else ((), None)
+            name = extra if relative == (extra,) else ".".join((extra, *relative))
+            raise CheckpointError(f"{directory}: params leaf '{name}' is {describe(leaf)} in the checkpoint, "
+                                  "config.json expects absent")
+        for name, group in sorted(names.items()):
+            metadata = checkpointer.metadata(root / name) if (root / name).is_dir() else None
+            stored = {} if metadata is None or metadata.item_metadata is None else _group_leaves(
+                metadata.item_metadata.tree)
+            for relative in sorted(set(stored) | set(wanted[group])):
+                have, want = stored.get(relative), wanted[group].get(relative)
+                if have is None or want is None or tuple(have.shape) != tuple(want.shape):
+                    path = full_path.get((group, relative), group + relative)
+                    raise CheckpointError(f"{directory}: params leaf '{'.'.join(map(str, path))}' is "
+                                          f"{describe(have)} in the checkpoint, config.json expects {describe(want)}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    groups = collections.defaultdict(list)  # parent key path -> indices of its leaves
-    for index, (leaf_path, _) in enumerate(paths):
-        groups[_key_path(leaf_path)[:-1]].append(index)
-    leaves = [leaf for _, leaf in paths]
-    restored = [None] * len(leaves)
-    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    values = {}
+    total = sum(leaf.size * leaf.dtype.itemsize for group in wanted.values() for leaf in group.values())
     with _unreadable_params(directory), \
             tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {Path(directory).name}",
                  disable=not progress, file=sys.stderr) as bar, \
             ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        for indices in groups.values():
-            def only_group(make):
-                return jax.tree_util.tree_unflatten(treedef, [
-                    make(leaves[i]) if i in indices else ocp.PLACEHOLDER for i in range(len(leaves))])
-            item = only_group(lambda leaf: leaf)
-            restore_args = only_group(lambda leaf: ocp.ArrayRestoreArgs(
-                sharding=sharding, dtype=leaf.dtype, global_shape=leaf.shape))
-            out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
-            out_leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: x is ocp.PLACEHOLDER)
-            for i in indices:
-                restored[i] = out_leaves[i]
-                bar.update(leaves[i].size * leaves[i].dtype.itemsize)
-    return jax.tree_util.tree_unflatten(treedef, restored)
+        for name, group in sorted(names.items()):
+            leaves = wanted[group]
+            item = _nest({relative: leaf for relative, leaf in leaves.items()}, ())
+            restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(
+                sharding=sharding, dtype=leaf.dtype, global_shape=leaf.shape), item)
+            out = checkpointer.restore(root / name, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+            for relative, leaf in _group_leaves(out).items():
+                values[full_path[group, relative]] = leaf
+                bar.update(leaves[relative].size * leaves[relative].dtype.itemsize)
+    return _fill(abstract, values)

@@ -1,151 +1,149 @@
-"""Frozen model configurations parsed from HF ``config.json`` files (Qwen3 target, DFlash draft)."""
+"""Frozen model configurations: the decoder that every target family and the draft's layers are
+built from (a spec per layer), and the DFlash draft. A target's ``config.json`` is parsed by its
+family (``dflash_jax.families``); a draft's layers are Qwen3 layers."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from dflash_jax.hf_json import ConfigError, architectures, field, int_list, read_config_json, read_json
+from dflash_jax.nn.attention import AttentionSpec
+from dflash_jax.nn.mlp import MLPSpec
+from dflash_jax.nn.moe import MoESpec
+from dflash_jax.nn.rope import RopeSpec
+
+__all__ = ["ConfigError", "LayerSpec", "ModelConfig", "DraftConfig", "build_target_layer_ids", "is_draft_config",
+           "load_target_config", "load_draft_config", "read_json", "read_config_json", "int_list"]
 
 
-class ConfigError(ValueError):
-    """A config.json that this library cannot run, with the offending field named."""
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: pre-norm, a mixer, residual; post-norm, a feed-forward block, residual.
+    ``kind`` is HF's ``layer_types`` label; it can differ from what the mixer does (a
+    "sliding_attention" layer without a window attends fully) and DFlash drafts read it (the
+    reference makes its sliding layers causal)."""
 
-
-_REQUIRED = object()
-
-
-def _field(raw: dict, name: str, where: str, kind: type, default: Any = _REQUIRED) -> Any:
-    """``raw[name]`` as ``kind`` (int, float, bool, str, dict or list); an absent or null field
-    takes ``default``. ConfigError naming the field when it is missing without a default or has
-    another type (a JSON bool is not a number, and "false" is not a bool)."""
-    value = raw.get(name)
-    if value is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"{where}: required field '{name}' is missing")
-        return default
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
-        names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-                 dict: "an object", list: "a list"}
-        raise ConfigError(f"{where}: field '{name}' must be {names[kind]}, got {value!r}")
-    return value
-
-
-def int_list(raw: dict, name: str, where: str, default: Any = _REQUIRED) -> Any:
-    """A list of integers (or a single integer; null entries skipped) as a tuple, such as an
-    ``eos_token_id``; ConfigError naming the field and ``where`` for anything else."""
-    value = raw.get(name)
-    if value is None:
-        return _field(raw, name, where, list, default)
-    items = value if isinstance(value, list) else [value]
-    return tuple(_field({name: item}, name, where, int) for item in items if item is not None)
-
-
-def _rope_theta(raw: dict, where: str) -> float:
-    params = _field(raw, "rope_parameters", where, dict, None)
-    scaling = _field(raw, "rope_scaling", where, dict, None)
-    if params and scaling and scaling != params:
-        # transformers 5 lets rope_scaling replace rope_parameters (Qwen3's long-context recipe
-        # adds a YaRN rope_scaling to such configs): refuse rather than pick a different RoPE
-        raise ConfigError(f"{where}: rope_parameters {params} and rope_scaling {scaling} disagree "
-                          "(transformers would use rope_scaling): keep one of them")
-    params = params or scaling or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only default RoPE)")
-    # transformers 5 reads rope_parameters first; the top-level rope_theta is the older form.
-    # Required (Qwen3Config would take 10000, Qwen3's releases use 1e6: a wrong theta is silent).
-    if params.get("rope_theta") is not None:
-        return _field(params, "rope_theta", f"{where} rope_parameters", float)
-    if raw.get("rope_theta") is None:
-        raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
-    return _field(raw, "rope_theta", where, float)
+    mixer: AttentionSpec
+    ffn: MLPSpec | MoESpec
+    kind: str = "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Qwen3-style decoder stack (the target, or the draft's layers)."""
+    """A decoder stack: the target of any family, or the draft's layers. ``family`` names the
+    ``dflash_jax.families`` entry that reads and writes its config.json and tensors.
 
+    The per-layer specs are the truth; the properties below give the values every layer shares
+    (a ConfigError when layers differ), for the code and the users that think in those terms.
+    """
+
+    family: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    layers: tuple[LayerSpec, ...]
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        for kind in self.layer_types:
-            if kind not in ("full_attention", "sliding_attention"):
-                raise ConfigError(f"layer_types: unknown layer type '{kind}'")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
-                              f"num_key_value_heads {self.num_kv_heads}")
+        if not self.layers:
+            raise ConfigError("a decoder needs at least one layer (num_hidden_layers >= 1)")
+        if min(self.vocab_size, self.hidden_size) < 1:
+            raise ConfigError(f"vocab_size and hidden_size must be >= 1, got {self.vocab_size} and {self.hidden_size}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _shared(self, what: str, values) -> Any:
+        distinct = set(values)
+        if len(distinct) != 1:
+            raise ConfigError(f"{what} differs between layers ({sorted(distinct, key=str)}): read it per layer")
+        return distinct.pop()
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """The attention every layer shares, less its window (``window(i)`` gives that)."""
+        return self._shared("the attention spec", (dataclasses.replace(layer.mixer, sliding_window=None)
+                                                   for layer in self.layers))
+
+    @property
+    def num_heads(self) -> int:
+        return self.attention.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    @property
+    def rope(self) -> RopeSpec:
+        return self.attention.rope
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def intermediate_size(self) -> int:
+        """The width of the dense MLP layers (ConfigError when there are none)."""
+        return self._shared("the dense MLP width", (layer.ffn.intermediate_size for layer in self.layers
+                                                    if isinstance(layer.ffn, MLPSpec)))
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """HF ``layer_types``: "sliding_attention" or "full_attention" per layer."""
+        return tuple(layer.kind for layer in self.layers)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers (None when no layer slides)."""
+        windows = {layer.mixer.sliding_window for layer in self.layers} - {None}
+        return self._shared("sliding_window", windows) if windows else None
 
     def window(self, layer: int) -> int | None:
         """Sliding window of a layer, None for full attention."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.layers[layer].mixer.sliding_window
+
+    def with_layers(self, specs: tuple[LayerSpec, ...]) -> "ModelConfig":
+        return dataclasses.replace(self, layers=tuple(specs))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
-        quantization = raw.get("quantization_config")
-        if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-            raise ConfigError(f"{where}: quantized checkpoints (quantization_config, quant_method "
-                              f"'{method}') are not supported; use the bfloat16 release")
-        if _field(raw, "attention_bias", where, bool, False):
-            raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
-        act = _field(raw, "hidden_act", where, str, "silu")
-        if act != "silu":
-            raise ConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
-        heads = _field(raw, "num_attention_heads", where, int)
-        layers = _field(raw, "num_hidden_layers", where, int)
-        # transformers' Qwen3Config: the window (4096 when the field is absent, none when it is
-        # null) exists only with use_sliding_window; without explicit layer_types, layers from
-        # max_window_layers on slide.
-        window = None
-        if _field(raw, "use_sliding_window", where, bool, False):
-            window = _field(raw, "sliding_window", where, int, None) if "sliding_window" in raw else 4096
-        layer_types = _field(raw, "layer_types", where, list, None)
-        if layer_types is None:
-            first_sliding = _field(raw, "max_window_layers", where, int, 28)
-            layer_types = ["sliding_attention" if window is not None and i >= first_sliding
-                           else "full_attention" for i in range(layers)]
-        # transformers' Qwen3Config defaults: 32 KV heads when the field is absent, one per
-        # query head when it is null; head_dim 128 (not hidden // heads)
-        kv_heads = _field(raw, "num_key_value_heads", where, int, heads) if "num_key_value_heads" in raw else 32
-        return cls(
-            vocab_size=_field(raw, "vocab_size", where, int),
-            hidden_size=_field(raw, "hidden_size", where, int),
-            intermediate_size=_field(raw, "intermediate_size", where, int),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=_field(raw, "head_dim", where, int, 128),
-            rms_norm_eps=_field(raw, "rms_norm_eps", where, float, 1e-6),
-            rope_theta=_rope_theta(raw, where),
-            tie_word_embeddings=_field(raw, "tie_word_embeddings", where, bool, False),
-            max_position_embeddings=_field(raw, "max_position_embeddings", where, int, 32768),
-            sliding_window=window,
-            layer_types=tuple(str(kind) for kind in layer_types),
-            eos_token_ids=int_list(raw, "eos_token_id", where, ()),
-        )
+        """A target's config.json, parsed by the family its ``architectures`` (or ``model_type``)
+        names; ConfigError listing the supported ones for any other."""
+        from dflash_jax import families
+
+        return families.parse_target(raw, where)
+
+
+def uniform_config(*, family: str = "qwen3", vocab_size: int, hidden_size: int, intermediate_size: int,
+                   num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   rope_theta: float = 1_000_000.0, rope: RopeSpec | None = None, qk_norm: bool = True,
+                   layer_types: tuple[str, ...] = (), sliding_window: int | None = None,
+                   ffn: MLPSpec | MoESpec | Callable[[int], MLPSpec | MoESpec] | None = None,
+                   **fields) -> ModelConfig:
+    """A decoder whose layers all share one attention and one feed-forward spec (a dense SwiGLU of
+    ``intermediate_size`` unless ``ffn`` says otherwise, or ``ffn(i)`` per layer), sliding where
+    ``layer_types`` says so: how tests, benchmarks and training build configs."""
+    rope = rope or RopeSpec(theta=rope_theta, rotary_dim=head_dim)
+    attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+                              qk_norm=qk_norm)
+    layer_types = layer_types or ("full_attention",) * num_layers
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    ffn = ffn or MLPSpec(intermediate_size)
+    layers = tuple(LayerSpec(dataclasses.replace(attention, sliding_window=sliding_window if kind == "sliding_attention"
+                                                 else None), ffn(i) if callable(ffn) else ffn, kind)
+                   for i, kind in enumerate(layer_types))
+    return ModelConfig(family=family, vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, **fields)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -159,15 +157,15 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 def is_draft_config(raw: dict[str, Any]) -> bool:
     """A DFlash draft's config.json (z-lab or speculators), as opposed to a target's."""
     return (raw.get("speculators_model_type") is not None or "dflash_config" in raw
-            or any(name.startswith("DFlash") for name in _architectures(raw)))
+            or any(name.startswith("DFlash") for name in architectures(raw)))
 
 
-def _architectures(raw: dict[str, Any]) -> list[str]:
-    """config.json's ``architectures`` as a list of names (a lone string counts as one)."""
-    names = raw.get("architectures")
-    if isinstance(names, str):
-        names = [names]
-    return [str(name) for name in names] if isinstance(names, list) else []
+def draft_layers_from_hf(raw: dict[str, Any], where: str) -> ModelConfig:
+    """A draft's layer stack: Qwen3 layers (z-lab's DFlashDraftModel subclasses Qwen3), whatever
+    family its target is."""
+    from dflash_jax.families import qwen3
+
+    return qwen3.parse(raw, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,39 +206,39 @@ class DraftConfig:
         if not is_draft_config(raw):
             raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
                               "and there is no dflash_config or speculators_model_type)")
-        other = [name for name in _architectures(raw) if name.startswith("DFlash") and name != "DFlashDraftModel"]
+        other = [name for name in architectures(raw) if name.startswith("DFlash") and name != "DFlashDraftModel"]
         if other:
             raise ConfigError(f"{where}: architecture {other[0]} is not supported; this library runs "
                               "DFlashDraftModel drafts (z-lab) and speculators 'dflash' drafts")
-        dflash = _field(raw, "dflash_config", where, dict, {})
+        dflash = field(raw, "dflash_config", where, dict, {})
 
         def at(name):
             """(mapping, name, where) of a field: dflash_config's copy when it has one, else the
             top level's."""
             return (dflash, name, f"{where} dflash_config") if dflash.get(name) is not None else (raw, name, where)
 
-        model = ModelConfig.from_hf(raw, where)
+        model = draft_layers_from_hf(raw, where)
         ids = int_list(*at("target_layer_ids"), None)
-        num_target_layers = _field(raw, "num_target_layers", where, int, None)
+        num_target_layers = field(raw, "num_target_layers", where, int, None)
         if ids is None:
             if num_target_layers is None:
                 raise ConfigError(f"{where}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'")
             ids = build_target_layer_ids(num_target_layers, model.num_layers)
-        mask = _field(*at("mask_token_id"), int, None)
+        mask = field(*at("mask_token_id"), int, None)
         if mask is None:
             raise ConfigError(f"{where}: required field 'dflash_config.mask_token_id' is missing")
-        is_causal = _field(raw, "is_causal", where, bool, None)
+        is_causal = field(raw, "is_causal", where, bool, None)
         causal = tuple(kind == "sliding_attention" if is_causal is None else is_causal
                        for kind in model.layer_types)
         return cls(
             model=model,
-            block_size=_field(*at("block_size"), int, 16),
+            block_size=field(*at("block_size"), int, 16),
             mask_token_id=mask,
             target_layer_ids=ids,
             num_target_layers=num_target_layers,
-            input_embedding_scale=_field(*at("input_embedding_scale"), float, 1.0),
-            output_multiplier=_field(*at("output_multiplier"), float, 1.0),
-            final_logit_softcapping=_field(*at("final_logit_softcapping"), float, None) or None,
+            input_embedding_scale=field(*at("input_embedding_scale"), float, 1.0),
+            output_multiplier=field(*at("output_multiplier"), float, 1.0),
+            final_logit_softcapping=field(*at("final_logit_softcapping"), float, None) or None,
             causal_layers=causal,
         )
 
@@ -249,28 +247,28 @@ class DraftConfig:
         kind = raw["speculators_model_type"]
         if kind != "dflash":
             raise ConfigError(f"{where}: speculators_model_type '{kind}' is not a DFlash draft")
-        if _field(raw, "sample_from_anchor", where, bool, False):
+        if field(raw, "sample_from_anchor", where, bool, False):
             # its block slot k predicts token t+k+1 rather than t+k: every proposal would miss
             raise ConfigError(f"{where}: sample_from_anchor=true drafts (slot k predicts the token after "
                               "the usual one) are not supported")
-        layer_raw = dict(_field(raw, "transformer_layer_config", where, dict))
+        layer_raw = dict(field(raw, "transformer_layer_config", where, dict))
         # Some exporters put the layers' attention kinds at the top level instead.
         for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
             if key not in layer_raw and key in raw:
                 layer_raw[key] = raw[key]
-        model = ModelConfig.from_hf(layer_raw, f"{where} transformer_layer_config")
+        model = draft_layers_from_hf(layer_raw, f"{where} transformer_layer_config")
         aux = int_list(raw, "aux_hidden_state_layer_ids", where)
         if min(aux, default=1) < 1:
             raise ConfigError(f"{where}: aux_hidden_state_layer_ids {list(aux)} must be >= 1 (id k is the "
                               "output of target decoder layer k; 0, the embedding output, cannot be tapped)")
-        draft_vocab = _field(raw, "draft_vocab_size", where, int, None)
+        draft_vocab = field(raw, "draft_vocab_size", where, int, None)
         # speculators: full-attention layers are bidirectional; sliding ones causal unless
         # sliding_window_non_causal (the same default as the z-lab reference).
-        non_causal_swa = _field(raw, "sliding_window_non_causal", where, bool, False)
+        non_causal_swa = field(raw, "sliding_window_non_causal", where, bool, False)
         return cls(
             model=model,
-            block_size=_field(raw, "block_size", where, int),
-            mask_token_id=_field(raw, "mask_token_id", where, int),
+            block_size=field(raw, "block_size", where, int),
+            mask_token_id=field(raw, "mask_token_id", where, int),
             target_layer_ids=tuple(i - 1 for i in aux),
             draft_vocab_size=None if draft_vocab in (None, model.vocab_size) else draft_vocab,
             causal_layers=tuple(k == "sliding_attention" and not non_causal_swa for k in model.layer_types),
@@ -306,37 +304,18 @@ class DraftConfig:
                               f"vocabulary of {target.vocab_size}")
 
 
-def read_json(path: str | Path) -> Any:
-    """A JSON file of a model folder; ConfigError naming the file when it does not parse."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid JSON ({error})") from error
-
-
-def read_config_json(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: expected an HF model folder with config.json")
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return raw
-
-
 def load_target_config(directory: str | Path) -> ModelConfig:
     raw = read_config_json(directory)
     if is_draft_config(raw):
         raise ConfigError(f"{directory} holds a DFlash draft, not a target; pass it as the draft (--draft)")
-    model_type = raw.get("model_type")
-    if model_type != "qwen3":
-        raise ConfigError(f"{directory}/config.json: model_type '{model_type}' is not supported "
-                          "(only 'qwen3' targets)")
     return ModelConfig.from_hf(raw, f"{directory}/config.json")
 
 
 def load_draft_config(directory: str | Path) -> DraftConfig:
+    from dflash_jax import families
+
     raw = read_config_json(directory)
-    if not is_draft_config(raw) and raw.get("model_type") == "qwen3":
-        raise ConfigError(f"{directory} holds a Qwen3 target, not a DFlash draft; pass it as the target (--target)")
+    if not is_draft_config(raw) and families.find_family(raw) is not None:
+        raise ConfigError(f"{directory} holds a {families.find_family(raw).label} target, not a DFlash draft; "
+                          "pass it as the target (--target)")
     return DraftConfig.from_hf(raw, f"{directory}/config.json")

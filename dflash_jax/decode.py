@@ -120,7 +120,7 @@ def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array,
     if config.draft is not None:
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
         cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
-    cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+    cache = cache.commit(prompt_lens)
     done = _is_stop(first[:, None], stop_tokens)[:, 0] | (max_new_tokens <= 1)
     return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
                        num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
@@ -202,7 +202,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
         positions = start[:, None] + slots
         cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl,
                                           kv_proj=context_kv_proj)
-    cache = cache.replace(lengths=start + produced)
+    cache = cache.commit(start + produced)
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), state.steps].set(produced, mode="drop")
     return state.replace(

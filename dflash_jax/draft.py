@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import attention
+from dflash_jax import ops
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig
+from dflash_jax.nn import attention, decoder
 from dflash_jax.params import DraftParams, TargetParams
-from dflash_jax.target import attention_output_and_mlp, logits as target_logits
+from dflash_jax.target import logits as target_logits
 from pallas_kernels import rms_norm, split_qkv
 
 
@@ -30,24 +31,28 @@ def context_kv_proj(params: DraftParams) -> tuple[jax.Array, ...]:
     Slicing the columns copies the weight: XLA does not fold the slice into the product (Qwen3-8B
     draft on an H200: five 11 µs copies per decode step). The decode loop slices once per chunk.
     """
-    return tuple(layer.qkv_proj[:, layer.q_size:] for layer in params.layers)
+    return tuple(layer.attention.qkv_proj[:, layer.attention.q_size:] for layer in params.layers)
 
 
 def write_context(params: DraftParams, config: DraftConfig, taps: jax.Array, positions: jax.Array,
                   cache: PagedKVCache, *, impl: str = "auto",
                   kv_proj: Sequence[jax.Array] | None = None) -> PagedKVCache:
     """Project taps [B, T, n*H] of tokens at ``positions`` [B, T] into every draft layer's
-    context K/V (k_proj + k_norm + RoPE, v_proj) and store them in the draft's pages.
-    ``kv_proj``: ``context_kv_proj(params)``, when the caller has it already."""
+    context K/V (k_proj [+ bias] + k_norm + RoPE, v_proj [+ bias]) and store them in the draft's
+    pages. ``kv_proj``: ``context_kv_proj(params)``, when the caller has it already."""
     model = config.model
     features = context_features(params, config, taps)
     kv_proj = context_kv_proj(params) if kv_proj is None else kv_proj
-    for index, (layer, weight) in enumerate(zip(params.layers, kv_proj, strict=True)):
+    for index, (layer, spec, weight) in enumerate(zip(params.layers, model.layers, kv_proj, strict=True)):
         slot = cache.num_target_layers + index
-        _, k, v = split_qkv(features @ weight, 0, model.num_kv_heads)
-        k_pages, v_pages = attention.write_kv(
-            k, v, layer.k_norm, positions,
-            *cache.layer(slot), cache.page_table, eps=model.rms_norm_eps, theta=model.rope_theta, impl=impl)
+        attn = layer.attention
+        kv = features @ weight
+        if attn.qkv_bias is not None:
+            kv = kv + attn.qkv_bias[attn.q_size:]
+        _, k, v = split_qkv(kv, 0, spec.mixer.num_kv_heads)
+        cos, sin = attention.rotary_tables(positions, spec.mixer, features.dtype)
+        k_pages, v_pages = ops.write_kv(k, v, attn.k_norm, cos, sin, positions, *cache.layer(slot),
+                                        cache.page_table, eps=model.rms_norm_eps, impl=impl)
         cache = cache.replace_layer(slot, k_pages, v_pages)
     return cache
 
@@ -59,16 +64,15 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
 
     ``attend(layer, q, k, v)`` gets the block's normed+roped q/k and v [B, T, heads, D] and
     returns the attention output: inference attends over the paged context, training over
-    in-batch context with anchor masks. Everything else is shared.
+    in-batch context with anchor masks. Everything else is the shared decoder.
     """
-    model = config.model
-    eps, theta = model.rms_norm_eps, model.rope_theta
-    for index, layer in enumerate(params.layers):
-        qkv = attention.project(x, layer.qkv_proj, norm_weight=layer.input_norm, eps=eps, impl=impl)
-        q, k, v = attention.qkv_norm_rope(qkv, layer.q_norm, layer.k_norm, positions, num_heads=model.num_heads,
-                                          num_kv_heads=model.num_kv_heads, eps=eps, theta=theta, impl=impl)
-        out = attend(index, q, k, v)
-        x = attention_output_and_mlp(x, out, layer, eps, impl)
+    eps = config.model.rms_norm_eps
+
+    def block_attend(state, index, spec, layer, qkv, block_positions):
+        q, k, v = attention.block_qkv(qkv, layer, spec, block_positions, eps, impl)
+        return attend(index, q, k, v), state
+
+    x, _, _ = decoder.run(params.layers, config.model.layers, x, positions, block_attend, None, eps=eps, impl=impl)
     return rms_norm(x, params.norm, eps)
 
 
@@ -88,7 +92,7 @@ def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams,
     positions = context_lens[:, None] + jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
 
     def attend(index, q, k, v):
-        return attention.draft_attention(
+        return ops.draft_attention(
             q, *cache.layer(cache.num_target_layers + index), cache.page_table, context_lens, k, v,
             block_lens, sliding_window=config.model.window(index),
             causal=bool(config.causal_layers[index]), impl=impl)

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.attention import check_kernel_shapes
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
 from dflash_jax.cli import (COMPILE_CACHE_HELP, deferred_interrupts, exit_with, interrupt_exits, keep_compiled_programs,
                             named_as_flags, one_line_warnings, or_na)
@@ -31,6 +30,7 @@ from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill)
 from dflash_jax.models import DTYPES, Draft, Target, load_draft, load_target
+from dflash_jax.ops import check_kernel_shapes
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import (TextStream, Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
                                   render_prompts)
@@ -188,11 +188,12 @@ def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [row[:count].tolist() for row, count in zip(rows, counts)]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _zeroed_cache(page_table, groups, num_pages: int, page_size: int, dtype) -> PagedKVCache:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num_pages: int, page_size: int,
+                  dtype) -> PagedKVCache:
     """``init_cache`` compiled once per shape (``prepare`` compiles it with the rest), so timing a
-    prefill times no compilation; groups: ((config, num_layers), ...), target first."""
-    return init_cache(list(groups), page_table, num_pages, page_size, dtype)
+    prefill times no compilation."""
+    return init_cache(target, draft, page_table, num_pages, page_size, dtype)
 
 
 @dataclasses.dataclass
@@ -219,10 +220,8 @@ class PreparedGeneration:
 
     def _cache_args(self) -> tuple:
         """``_zeroed_cache``'s arguments for this batch."""
-        groups = ((self.config.target, self.config.target.num_layers),)
-        if self.config.draft is not None:
-            groups += ((self.config.draft.model, self.config.draft.model.num_layers),)
-        return (jnp.asarray(self.page_table, jnp.int32), groups, self.num_pages, self.page_size,
+        draft = None if self.config.draft is None else self.config.draft.model
+        return (jnp.asarray(self.page_table, jnp.int32), self.config.target, draft, self.num_pages, self.page_size,
                 self.target.params.embed.dtype)
 
     def new_cache(self) -> PagedKVCache:
@@ -514,7 +513,8 @@ def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.generate", description=__doc__.strip().splitlines()[0])
-    p.add_argument("--target", help="HF Qwen3 folder or a folder made by checkpoints_convert")
+    p.add_argument("--target", help="HF folder of a supported target (Qwen3, LLaMA, Qwen3-MoE) or a folder made by "
+                   "checkpoints_convert")
     p.add_argument("--draft", help="DFlash draft folder (z-lab or speculators format, or converted)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (baseline)")
     p.add_argument("--baseline", action="store_true", help="also run without the draft and compare")
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     if target_dir is None:
         if not (DEFAULT_MODEL / "target" / "config.json").is_file():
             print("No model to run: this install has no embedded default model yet.\n"
-                  "Pass an HF Qwen3 folder (or one made by `python -m checkpoints_convert`):\n"
+                  "Pass an HF target folder (Qwen3, LLaMA or Qwen3-MoE; or one made by `python -m checkpoints_convert`):\n"
                   "  python -m dflash_jax.generate --target /path/to/Qwen3-8B "
                   "--draft /path/to/Qwen3-8B-DFlash-b16 --prompt 'Hello'", file=sys.stderr)
             return 2

@@ -49,7 +49,8 @@ def _restore_converted(path: Path, kind: str, init, progress: bool):
 
 
 def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False) -> Target:
-    """Qwen3 target from an HF folder (safetensors) or a folder made by checkpoints_convert.
+    """A target of any supported family from an HF folder (safetensors) or a folder made by
+    checkpoints_convert.
     ``progress`` shows a tqdm bar on stderr while the weights are read."""
     path, dtype = Path(path), _dtype(dtype)
     if checkpoint.is_converted(path):

@@ -44,7 +44,9 @@ from dflash_jax.cache import init_cache
 from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, exit_with, interrupt_exits, keep_compiled_programs,
                             non_negative_float, one_line_warnings, or_na, positive_float, random_seed,
                             reported_as_errors)
-from dflash_jax.config import DraftConfig, ModelConfig, build_target_layer_ids, load_target_config
+from dflash_jax.config import DraftConfig, LayerSpec, ModelConfig, build_target_layer_ids, load_target_config
+from dflash_jax.nn.mlp import MLPSpec
+from dflash_jax.nn.moe import MoESpec
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig, leading_run
@@ -78,10 +80,19 @@ class DraftTrainConfig:
 
 def new_draft_config(target: ModelConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                      target_layer_ids: Sequence[int] | None = None) -> DraftConfig:
-    """A fresh z-lab draft for ``target``: its layers shaped like the target's, full attention."""
+    """A fresh z-lab draft for ``target`` of any family: Qwen3 layers (q/k norms) with the
+    target's attention shape, RoPE and biases, full attention, and a dense MLP as wide as the
+    target's (for an all-MoE target, as wide as the experts a token runs: top_k x the expert
+    width, 6144 for Qwen3-30B-A3B, which z-lab's drafts for it use)."""
     ids = tuple(target_layer_ids) if target_layer_ids else build_target_layer_ids(target.num_layers, num_layers)
-    model = dataclasses.replace(target, num_layers=num_layers, layer_types=(), sliding_window=None,
-                                eos_token_ids=())
+    dense = [layer.ffn for layer in target.layers if isinstance(layer.ffn, MLPSpec)]
+    routed = next((layer.ffn for layer in target.layers if isinstance(layer.ffn, MoESpec)), None)
+    width = target.intermediate_size if dense else routed.top_k * routed.intermediate_size
+    layer = LayerSpec(dataclasses.replace(target.attention, qk_norm=True), MLPSpec(width))
+    model = ModelConfig(family="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                        layers=(layer,) * num_layers, rms_norm_eps=target.rms_norm_eps,
+                        tie_word_embeddings=target.tie_word_embeddings,
+                        max_position_embeddings=target.max_position_embeddings)
     config = DraftConfig(model=model, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
                          num_target_layers=target.num_layers, causal_layers=(False,) * num_layers)
     config.check_target(target)
@@ -145,7 +156,7 @@ def draft_block_hidden(params: DraftParams, config: DraftConfig, target: TargetP
         raise ValueError("training supports full-attention, non-causal draft layers only")
     rows, seq_len = taps.shape[:2]
     # One page per row: after write_context each layer's pages are the dense context K/V.
-    cache = init_cache([(config.model, 0), (config.model, config.model.num_layers)],
+    cache = init_cache(None, config.model,
                        np.arange(rows, dtype=np.int32)[:, None], rows, seq_len, taps.dtype)
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len))
     cache = draft_model.write_context(params, config, taps, positions, cache, impl="reference")

@@ -44,7 +44,7 @@ from dflash_jax.cache import init_cache
 from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, deferred_interrupts, exit_with, interrupt_exits,
                             keep_compiled_programs, non_negative_float, one_line_warnings, positive_float,
                             random_seed, reported_as_errors)
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import ModelConfig, uniform_config
 from dflash_jax.params import TargetParams, cast_params, init_target_params
 from pallas_kernels.tuning import is_power_of_2
 
@@ -360,7 +360,7 @@ class TinyTargetShape:
             raise ValueError(f"head_dim {self.head_dim} must be a power of two >= 16 (the attention kernels)")
 
     def model_config(self, eos_id: int) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        return uniform_config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_layers=self.num_layers,
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            rope_theta=self.rope_theta, tie_word_embeddings=True,
@@ -373,7 +373,7 @@ def causal_forward(params: TargetParams, config: ModelConfig, tokens: jax.Array,
     ``target.forward`` over a throwaway cache of one page per row, reference attention (which is
     differentiable). Returns final-normed hidden [R, T, H] and the concatenated taps."""
     rows, length = tokens.shape
-    cache = init_cache([(config, config.num_layers)], np.arange(rows, dtype=np.int32)[:, None], rows, length,
+    cache = init_cache(config, None, np.arange(rows, dtype=np.int32)[:, None], rows, length,
                        params.embed.dtype)
     hidden, taps, _ = target_model.forward(params, config, tokens, jnp.zeros((rows,), jnp.int32), cache,
                                            tap_layers=tap_layers, impl="reference")

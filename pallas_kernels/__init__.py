@@ -12,7 +12,8 @@ from pallas_kernels.norm_rope import (apply_rope, norm_rope_reference, norm_rope
                                       qkv_norm_rope_write, qkv_norm_rope_write_reference, rms_norm,
                                       split_qkv)
 from pallas_kernels.split_merge import combine_splits, combine_splits_reference
-from pallas_kernels.fused_matmul import fused_matmul, fused_matmul_reference
+from pallas_kernels.fused_matmul import finish_projection, fused_matmul, fused_matmul_reference
+from pallas_kernels.routed_experts import routed_experts, routed_experts_reference
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
 
@@ -31,8 +32,11 @@ __all__ = [
     "split_qkv",
     "combine_splits",
     "combine_splits_reference",
+    "finish_projection",
     "fused_matmul",
     "fused_matmul_reference",
+    "routed_experts",
+    "routed_experts_reference",
     "paged_verify_attention",
     "paged_verify_attention_reference",
     "paged_draft_attention",

@@ -42,7 +42,7 @@ _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_m", "block_n", "block_k", "num_splits", "num_warps", "num_stages")
 
 
-def _finish(y: jax.Array, residual: jax.Array | None, gated: bool, dtype) -> jax.Array:
+def finish_projection(y: jax.Array, residual: jax.Array | None, gated: bool, dtype) -> jax.Array:
     """The product y [M, N or 2N] through the gate and residual (in y's dtype), then ``dtype``."""
     if gated:
         gate, up = jnp.split(y, 2, axis=-1)
@@ -53,14 +53,17 @@ def _finish(y: jax.Array, residual: jax.Array | None, gated: bool, dtype) -> jax
 
 
 def fused_matmul_reference(x: jax.Array, w: jax.Array, *, norm_weight: jax.Array | None = None,
-                           eps: float = 1e-6, gated: bool = False,
+                           eps: float = 1e-6, bias: jax.Array | None = None, gated: bool = False,
                            residual: jax.Array | None = None) -> jax.Array:
-    """[rms_norm(x, norm_weight)] @ w [-> silu(gate) * up] [+ residual], x [..., K], w [K, N or
-    2N] -> [..., N] in x's dtype. Written as the model always ran it through XLA: the product
-    rounded to x's dtype, gate and residual in x's dtype (the kernel keeps them in f32 and rounds
-    once, which is within the usual bf16 tolerance of this)."""
+    """[rms_norm(x, norm_weight)] @ w [+ bias] [-> silu(gate) * up] [+ residual], x [..., K], w
+    [K, N or 2N], bias [N or 2N] -> [..., N] in x's dtype. Written as the model always ran it
+    through XLA: the product rounded to x's dtype, bias, gate and residual in x's dtype (the
+    kernel keeps them in f32 and rounds once, which is within the usual bf16 tolerance of this)."""
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    return _finish(jnp.einsum("...k,kn->...n", h, w), residual, gated, x.dtype)
+    y = jnp.einsum("...k,kn->...n", h, w)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return finish_projection(y, residual, gated, x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,5 +239,5 @@ def fused_matmul(x: jax.Array, w: jax.Array, *, norm_weight: jax.Array | None = 
         name="fused_matmul",
     )(*operands)
     if not finish_here:
-        out = _finish(out.sum(axis=0), residual_rows, gated, x.dtype)
+        out = finish_projection(out.sum(axis=0), residual_rows, gated, x.dtype)
     return out.reshape(*lead, n)

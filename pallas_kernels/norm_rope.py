@@ -1,7 +1,11 @@
-"""RMSNorm and rotary embedding (Qwen3 conventions): references and fused Pallas kernels.
+"""RMSNorm and rotary embedding: references and fused Pallas kernels.
 
-Math follows HF Qwen3: RMSNorm in f32, cast back, times the weight; RoPE with
-``inv_freq = theta ** (-2i / head_dim)``, rotate-half layout, cos/sin cast to the input dtype.
+Math follows transformers: RMSNorm in f32, cast back, times the weight; RoPE in the rotate-half
+layout on the first ``rotary_dim`` dims of a head (the rest pass through), with cos/sin tables
+``[batch, T, rotary_dim / 2]`` in the input dtype. The tables come from the caller
+(``dflash_jax.nn.rope.tables``: default, llama3 or YaRN frequencies), so the references and the
+kernels rotate by exactly the same values. A per-head norm weight of None skips the RMSNorm
+(families without q/k norms, such as LLaMA).
 
 ``norm_rope_write`` fuses k's per-head RMSNorm and RoPE and scatters it, with v unchanged,
 straight into the paged cache (the pages are aliased to the outputs, so a donated cache is
@@ -9,19 +13,17 @@ updated in place). ``qkv_norm_rope_write`` does a target layer's whole attention
 launch, reading q, k and v from the fused qkv projection: q normed and rotated out, k and v into
 their pages; ``qkv_norm_rope`` is the same kernel returning k and v instead (the draft's block,
 which never enters the cache). The kernels work on rows ``(token, head)`` of ``head_dim``
-values, ``block_rows`` rows per program, and handle the two rotate-half halves as separate
-loads/stores (Triton has no lane shuffles). The rotary cos/sin come in as per-token tables
-computed by XLA (``rope_half_tables``), not per row in the kernel. On the H200 the page-writing
-kernels make the model 3-5% faster than XLA's fusions of the references, so ``impl="auto"`` runs
-them on GPU; ``qkv_norm_rope`` measured level with XLA there, so auto leaves it to XLA
-(benchmarks/RESULTS.md).
+values, ``block_rows`` rows per program, each row as chunks of ``rotary_dim / 2`` values: the
+first two chunks are the rotate-half pair, the others pass through (Triton has no lane shuffles,
+so the pair is two loads and stores). On the H200 the page-writing kernels make the model 3-5%
+faster than XLA's fusions of the references, so ``impl="auto"`` runs them on GPU;
+``qkv_norm_rope`` measured level with XLA there, so auto leaves it to XLA (benchmarks/RESULTS.md).
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -37,49 +39,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def _inv_freq(head_dim: int, theta: float) -> jax.Array:
-    """1 / theta ** (2i / head_dim) in f32 as transformers computes it: the power rounded to f32,
-    then its reciprocal. One rounding instead of two put 24 of Qwen3-8B's 64 frequencies 1 ulp
-    off HF's (a phase error of 4e-3 at position 32k); now at most one differs (torch's f32 ``pow``
-    is not always correctly rounded). Computed on the host in float64 and rounded there, because
-    an f32 ``pow`` gives different last bits eagerly and under jit (XLA folds the constant)."""
-    power = np.float32(theta ** (np.arange(0, head_dim, 2) / head_dim))
-    return jnp.asarray(np.float32(1.0 / power.astype(np.float64)))
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first ``2 * cos.shape[-1]`` dims of x [B, T, heads, head_dim] by the tables
+    cos, sin [B, T, rotary_dim / 2] (rotate-half layout); the remaining dims pass through."""
+    rotary = 2 * cos.shape[-1]
+    cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def rope_half_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., head_dim / 2] of each frequency at integer positions [...], rounded to dtype."""
-    freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(head_dim, theta)
-    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+def norm_rope_reference(x: jax.Array, weight: jax.Array | None, cos: jax.Array, sin: jax.Array, *,
+                        eps: float) -> jax.Array:
+    """Per-head RMSNorm (weight [head_dim]; None: no norm) then RoPE: x [B, T, heads, head_dim]."""
+    return apply_rope(x if weight is None else rms_norm(x, weight, eps), cos, sin)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin tables [..., head_dim] for integer positions [...] (rotate-half layout: both
-    halves repeat the frequencies)."""
-    cos, sin = rope_half_tables(positions, head_dim, theta, dtype)
-    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate x [..., T, heads, head_dim] by its positions [..., T]."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, x.dtype)
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def norm_rope_reference(x: jax.Array, weight: jax.Array, positions: jax.Array, *,
-                        eps: float, theta: float) -> jax.Array:
-    """Per-head RMSNorm (weight [head_dim]) then RoPE: x [B, T, heads, head_dim]."""
-    return apply_rope(rms_norm(x, weight, eps), positions, theta)
-
-
-def norm_rope_write_reference(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
-                              k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
-                              eps: float, theta: float) -> tuple[jax.Array, jax.Array]:
+def norm_rope_write_reference(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array | None, cos: jax.Array,
+                              sin: jax.Array, positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              page_table: jax.Array, *, eps: float) -> tuple[jax.Array, jax.Array]:
     """Store norm_rope(k) and v [B, T, Hkv, D] at ``positions`` [B, T] into their pages."""
-    k = norm_rope_reference(k, k_norm_weight, positions, eps=eps, theta=theta)
+    k = norm_rope_reference(k, k_norm_weight, cos, sin, eps=eps)
     return (write_pages(k_pages, page_table, positions, k),
             write_pages(v_pages, page_table, positions, v))
 
@@ -95,67 +77,73 @@ def _row_mask(r0, block_rows: int, num_rows: int, width: int):
     return ok, jnp.broadcast_to(ok[:, None], (block_rows, width))
 
 
-def _load_halves(x_ref, r0, block_rows: int):
-    """Rows [r0, r0 + block_rows) of x [rows, D] as two f32 [rows, D/2] halves (zeros past the end)."""
+def _load_chunks(x_ref, r0, block_rows: int, width: int) -> list:
+    """Rows [r0, r0 + block_rows) of x [rows, D] as D / width f32 chunks [rows, width] (zeros
+    past the end)."""
     num_rows, head_dim = x_ref.shape
-    half = head_dim // 2
-    _, mask = _row_mask(r0, block_rows, num_rows, half)
-    return tuple(plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(d, half)], mask=mask,
-                            other=0).astype(jnp.float32) for d in (0, half))
+    _, mask = _row_mask(r0, block_rows, num_rows, width)
+    return [plgpu.load(x_ref.at[pl.ds(r0, block_rows), pl.ds(d, width)], mask=mask, other=0).astype(jnp.float32)
+            for d in range(0, head_dim, width)]
 
 
-def _weight_halves(w_ref):
-    """The norm weight [D] as two [1, D/2] halves."""
-    half = w_ref.shape[0] // 2
-    return tuple(w_ref[pl.ds(d, half)][None, :] for d in (0, half))
+def _weight_chunks(w_ref, width: int) -> list:
+    """The norm weight [D] as D / width chunks [1, width]."""
+    return [w_ref[pl.ds(d, width)][None, :] for d in range(0, w_ref.shape[0], width)]
 
 
 def _rope_rows(cos_ref, sin_ref, token, ok):
-    """cos, sin [rows, D/2] (f32) of each row's token from the tables [tokens, D/2]."""
-    half = cos_ref.shape[1]
-    index = (jnp.where(ok, token, 0)[:, None], lax.broadcasted_iota(jnp.int32, (1, half), 1))
-    mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], half))
+    """cos, sin [rows, R/2] (f32) of each row's token from the tables [tokens, R/2]."""
+    width = cos_ref.shape[1]
+    index = (jnp.where(ok, token, 0)[:, None], lax.broadcasted_iota(jnp.int32, (1, width), 1))
+    mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], width))
     return tuple(plgpu.load(ref.at[index], mask=mask, other=0).astype(jnp.float32)
                  for ref in (cos_ref, sin_ref))
 
 
-def _rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype):
-    """The kernels' rotary inputs: cos, sin [tokens, D/2] for positions [B, T]. Computed by XLA
-    once per token (and, inside a model, once per step for all layers: the tables of equal
-    positions are one computation after CSE) rather than per (token, head) row in the kernel.
-    H200, 256 rows: with the trigonometry in the kernel, norm_rope took 10.2 us of device time,
-    15.0 us per call in a loop; with the tables, 5.2 us per call."""
-    return rope_half_tables(positions.reshape(-1), head_dim, theta, dtype)
+def _norm_rope_chunks(chunks: list, weights: list | None, cos, sin, *, eps: float, dtype) -> list:
+    """RMSNorm (weight chunks broadcast to the rows; None: no norm) then RoPE of rows given as f32
+    chunks of R/2 values: chunks 0 and 1 are the rotate-half pair, the others pass through.
 
-
-def _norm_rope_halves(x1, x2, w1, w2, cos, sin, *, eps: float, dtype):
-    """RMSNorm (weight halves w1, w2 broadcast to the rows) then RoPE of rows given as f32 halves.
-
-    cos, sin: [rows, D/2] f32, already rounded to ``dtype`` like the reference's tables. Rounds
+    cos, sin: [rows, R/2] f32, already rounded to ``dtype`` like the reference's tables. Rounds
     where the reference does (normed and weight product to ``dtype``) and does the rotation in f32.
+    Returns the chunks in ``dtype``.
     """
-    head_dim = 2 * x1.shape[1]
-    inv_rms = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim + eps)
+    if weights is not None:
+        head_dim = len(chunks) * chunks[0].shape[1]
+        inv_rms = lax.rsqrt(sum(jnp.sum(c * c, axis=1) for c in chunks) / head_dim + eps)
 
-    def round_(x):
-        return x.astype(dtype).astype(jnp.float32)
+        def round_(x):
+            return x.astype(dtype).astype(jnp.float32)
 
-    def normed(x, w):
-        return round_(round_(w) * round_(x * inv_rms[:, None]))
-
-    n1, n2 = normed(x1, w1), normed(x2, w2)
-    return (n1 * cos - n2 * sin).astype(dtype), (n2 * cos + n1 * sin).astype(dtype)
-
-
-def _norm_rope_rows(x_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows: int, *, eps: float):
-    """Rows [r0, r0 + block_rows) of x [rows, D] (row i belongs to token[i]), normalized and
-    rotated: two [rows, D/2] halves."""
-    ok, _ = _row_mask(r0, block_rows, x_ref.shape[0], 1)
-    return _norm_rope_halves(*_load_halves(x_ref, r0, block_rows), *_weight_halves(w_ref),
-                             *_rope_rows(cos_ref, sin_ref, token, ok), eps=eps, dtype=x_ref.dtype)
+        chunks = [round_(round_(w) * round_(c * inv_rms[:, None])) for c, w in zip(chunks, weights)]
+    n1, n2, *rest = chunks
+    return [(n1 * cos - n2 * sin).astype(dtype), (n2 * cos + n1 * sin).astype(dtype),
+            *(c.astype(dtype) for c in rest)]
 
 
-def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array, weight_name: str) -> None:
+def _store_chunks(ref, index, ok, chunks: list) -> None:
+    """Scatter row chunks [rows, width] to consecutive column ranges of ref.at[index] where ok."""
+    width = chunks[0].shape[1]
+    first = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    for i, chunk in enumerate(chunks):
+        _store_rows(ref, (*index, first + i * width), ok, chunk)
+
+
+def _check_tables(name: str, shape: tuple, cos: jax.Array, sin: jax.Array) -> int:
+    """The chunk width R/2 of rotary tables for ``name`` [B, T, heads, D]; ValueError unless cos
+    and sin are [B, T, R/2] with R/2 a power of two dividing D / 2."""
+    head_dim = shape[3]
+    if cos.ndim != 3 or cos.shape[:2] != tuple(shape[:2]) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [batch, T, rotary_dim / 2] with [batch, T] = {tuple(shape[:2])}, "
+                         f"got {cos.shape} and {sin.shape}")
+    width = cos.shape[2]
+    if not is_power_of_2(width) or (head_dim // 2) % width:
+        raise ValueError(f"{name}: rotary tables of {width} frequencies need a power of two dividing "
+                         f"head_dim / 2 = {head_dim // 2}")
+    return width
+
+
+def _check_rows(name: str, x, weight: jax.Array | None, weight_name: str) -> None:
     if x.ndim != 4:
         raise ValueError(f"{name} must be [batch, T, heads, head_dim], got shape {x.shape}")
     if 0 in x.shape[:3]:
@@ -165,10 +153,13 @@ def _check_rows(name: str, x: jax.Array, weight: jax.Array, positions: jax.Array
         raise ValueError(f"{name} head_dim must be a power of two >= 16, got {head_dim}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
-    if weight.shape != (head_dim,):
+    if weight is not None and weight.shape != (head_dim,):
         raise ValueError(f"{weight_name} must be [head_dim={head_dim}], got {weight.shape}")
-    if positions.shape != x.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be an integer [batch, T] = {x.shape[:2]} array, got "
+
+
+def _check_positions(positions: jax.Array, shape: tuple) -> None:
+    if positions.shape != tuple(shape[:2]) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be an integer [batch, T] = {tuple(shape[:2])} array, got "
                          f"{positions.dtype} {positions.shape}")
 
 
@@ -216,13 +207,21 @@ def _store_rows(ref, index, ok, value) -> None:
     plgpu.store(ref.at[index], value, mask=jnp.broadcast_to(ok[:, None], value.shape))
 
 
-def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, cos_ref, sin_ref, _k_in, _v_in,
-                            k_pages_ref, v_pages_ref, *, q_len: int, heads: int,
-                            block_rows: int, eps: float):
+def _flat_tables(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The tables [B, T, R/2] as the kernels read them: one row per token [B * T, R/2]."""
+    return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+
+
+def _norm_rope_write_kernel(*refs, normalize: bool, q_len: int, heads: int, block_rows: int, eps: float):
+    """Refs: positions, page table, k, v, (k norm weight,) cos, sin, the aliased input pages, and
+    the output k and v pages."""
+    pos_ref, pt_ref, k_ref, v_ref, *rest = refs
+    w_ref = rest.pop(0) if normalize else None
+    cos_ref, sin_ref, _k_in, _v_in, k_pages_ref, v_pages_ref = rest
+    width = cos_ref.shape[1]
     r0 = pl.program_id(0) * block_rows
     num_rows, head_dim = k_ref.shape
     num_pages, page_size = k_pages_ref.shape[:2]
-    half = head_dim // 2
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     token, head = rows // heads, rows % heads
     in_rows = rows < num_rows
@@ -230,51 +229,54 @@ def _norm_rope_write_kernel(pos_ref, pt_ref, k_ref, v_ref, w_ref, cos_ref, sin_r
     page, slot, ok = _page_addresses(positions, in_rows, pt_ref, token // q_len, num_pages, page_size)
     # Dropped rows also point past the last page, so interpret mode's scatter drops them too.
     index = (jnp.where(ok, page, num_pages)[:, None], slot[:, None], head[:, None])
-    first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-    k1, k2 = _norm_rope_rows(k_ref, w_ref, cos_ref, sin_ref, token, r0, block_rows, eps=eps)
-    _store_rows(k_pages_ref, (*index, first), ok, k1)
-    _store_rows(k_pages_ref, (*index, first + half), ok, k2)
+    k_chunks = _norm_rope_chunks(_load_chunks(k_ref, r0, block_rows, width),
+                                 None if w_ref is None else _weight_chunks(w_ref, width),
+                                 *_rope_rows(cos_ref, sin_ref, token, in_rows), eps=eps, dtype=k_ref.dtype)
+    _store_chunks(k_pages_ref, index, ok, k_chunks)
     _, mask = _row_mask(r0, block_rows, num_rows, head_dim)
     v = plgpu.load(v_ref.at[pl.ds(r0, block_rows)], mask=mask, other=0)
     _store_rows(v_pages_ref, (*index, lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)), ok,
                 v.astype(v_pages_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "theta", "interpret", "block_rows",
-                                             "num_warps", "num_stages"))
-def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
-                    k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
-                    eps: float, theta: float, interpret: bool = False,
-                    block_rows: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_rows", "num_warps", "num_stages"))
+def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
+                    eps: float, interpret: bool = False, block_rows: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Pallas version of ``norm_rope_write_reference``: returns the updated (k_pages, v_pages).
 
-    k, v: [B, T, Hkv, D]; positions [B, T]; pages [P, S, Hkv, D]; page_table [B, n] int32.
-    Positions outside the page table (or mapped to a page id outside [0, P)) are dropped. The
-    pages are aliased to the outputs: donate them (or call inside a jit that owns them) and the
-    update is in place; otherwise XLA copies them first.
+    k, v: [B, T, Hkv, D]; k_norm_weight [D] or None (no norm); cos, sin [B, T, R/2]; positions
+    [B, T]; pages [P, S, Hkv, D]; page_table [B, n] int32. Positions outside the page table (or
+    mapped to a page id outside [0, P)) are dropped. The pages are aliased to the outputs: donate
+    them (or call inside a jit that owns them) and the update is in place; otherwise XLA copies
+    them first.
     """
-    _check_rows("k", k, k_norm_weight, positions, "k_norm_weight")
+    _check_rows("k", k, k_norm_weight, "k_norm_weight")
+    _check_positions(positions, k.shape)
+    _check_tables("k", k.shape, cos, sin)
     if v.shape != k.shape:
         raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
     _check_pages(k, k_pages, v_pages, page_table)
     batch, q_len, heads, head_dim = k.shape
     num_rows = batch * q_len * heads
     block_rows = _rows_per_program(block_rows, num_rows)
-    kernel = functools.partial(_norm_rope_write_kernel, q_len=q_len, heads=heads,
+    normalize = k_norm_weight is not None
+    kernel = functools.partial(_norm_rope_write_kernel, normalize=normalize, q_len=q_len, heads=heads,
                                block_rows=block_rows, eps=eps)
+    inputs = (positions.reshape(-1).astype(jnp.int32), page_table, k.reshape(num_rows, head_dim),
+              v.reshape(num_rows, head_dim), *((k_norm_weight,) if normalize else ()),
+              *_flat_tables(cos.astype(k.dtype), sin.astype(k.dtype)), k_pages, v_pages)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_rows),),
         out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={7: 0, 8: 1},
+        input_output_aliases={len(inputs) - 2: 0, len(inputs) - 1: 1},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="norm_rope_write",
-    )(positions.reshape(-1).astype(jnp.int32), page_table, k.reshape(num_rows, head_dim),
-      v.reshape(num_rows, head_dim), k_norm_weight, *_rope_tables(positions, head_dim, theta, k.dtype),
-      k_pages, v_pages)
+    )(*inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,57 +294,59 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Ar
             heads[..., num_heads + num_kv_heads:, :])
 
 
-def qkv_norm_rope_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
-                            positions: jax.Array, *, num_heads: int, num_kv_heads: int, eps: float,
-                            theta: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """qkv [B, T, (Hq + 2 Hkv) * D] at ``positions`` [B, T] -> (norm_rope(q) [B, T, Hq, D],
-    norm_rope(k) [B, T, Hkv, D], v [B, T, Hkv, D])."""
+def qkv_norm_rope_reference(qkv: jax.Array, q_norm_weight: jax.Array | None, k_norm_weight: jax.Array | None,
+                            cos: jax.Array, sin: jax.Array, *, num_heads: int, num_kv_heads: int,
+                            eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv [B, T, (Hq + 2 Hkv) * D] with tables cos, sin [B, T, R/2] -> (norm_rope(q) [B, T, Hq, D],
+    norm_rope(k) [B, T, Hkv, D], v [B, T, Hkv, D]); norm weights of None skip the norms."""
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads)
-    return (norm_rope_reference(q, q_norm_weight, positions, eps=eps, theta=theta),
-            norm_rope_reference(k, k_norm_weight, positions, eps=eps, theta=theta), v)
+    return (norm_rope_reference(q, q_norm_weight, cos, sin, eps=eps),
+            norm_rope_reference(k, k_norm_weight, cos, sin, eps=eps), v)
 
 
-def qkv_norm_rope_write_reference(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
+def qkv_norm_rope_write_reference(qkv: jax.Array, q_norm_weight: jax.Array | None,
+                                  k_norm_weight: jax.Array | None, cos: jax.Array, sin: jax.Array,
                                   positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   page_table: jax.Array, *, num_heads: int, num_kv_heads: int,
-                                  eps: float, theta: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qkv [B, T, (Hq + 2 Hkv) * D] at ``positions`` [B, T] -> (norm_rope(q) [B, T, Hq, D],
     k_pages, v_pages with norm_rope(k) and v stored)."""
-    q, k, v = qkv_norm_rope_reference(qkv, q_norm_weight, k_norm_weight, positions, num_heads=num_heads,
-                                      num_kv_heads=num_kv_heads, eps=eps, theta=theta)
+    q, k, v = qkv_norm_rope_reference(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, eps=eps)
     return (q, write_pages(k_pages, page_table, positions, k),
             write_pages(v_pages, page_table, positions, v))
 
 
-def _qkv_norm_rope_kernel(*refs, paged: bool, q_len: int, num_heads: int, num_kv_heads: int,
+def _qkv_norm_rope_kernel(*refs, paged: bool, normalize: bool, q_len: int, num_heads: int, num_kv_heads: int,
                           block_rows: int, eps: float):
-    """Rows of x are (token, slot) for slot in q heads | k heads | v heads. Refs: x, the q and k
-    norm weights, cos, sin, then (when ``paged``) positions, the page table and the aliased input
-    pages, and the outputs: q [tokens * Hq, D] and either the k and v pages or k and v
+    """Rows of x are (token, slot) for slot in q heads | k heads | v heads. Refs: x, (the q and k
+    norm weights,) cos, sin, then (when ``paged``) positions, the page table and the aliased
+    input pages, and the outputs: q [tokens * Hq, D] and either the k and v pages or k and v
     [tokens * Hkv, D]."""
-    x_ref, qw_ref, kw_ref, cos_ref, sin_ref, *rest = refs
+    x_ref, *rest = refs
+    qw_ref, kw_ref = (rest.pop(0), rest.pop(0)) if normalize else (None, None)
+    cos_ref, sin_ref, *rest = rest
     q_ref, k_ref, v_ref = rest[-3:]
+    width = cos_ref.shape[1]
     r0 = pl.program_id(0) * block_rows
-    num_rows, head_dim = x_ref.shape
-    half = head_dim // 2
+    num_rows = x_ref.shape[0]
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     slots = num_heads + 2 * num_kv_heads
     token, slot = rows // slots, rows % slots
     in_rows = rows < num_rows
     is_q, is_v = slot < num_heads, slot >= num_heads + num_kv_heads
     is_k = ~is_q & ~is_v
-    x1, x2 = _load_halves(x_ref, r0, block_rows)
-    (qw1, qw2), (kw1, kw2) = _weight_halves(qw_ref), _weight_halves(kw_ref)
-    select = lambda q_part, k_part: jnp.where(is_q[:, None], q_part, k_part)  # noqa: E731
-    r1, r2 = _norm_rope_halves(x1, x2, select(qw1, kw1), select(qw2, kw2),
-                               *_rope_rows(cos_ref, sin_ref, token, in_rows), eps=eps, dtype=x_ref.dtype)
-    first = lax.broadcasted_iota(jnp.int32, (1, half), 1)
+    x_chunks = _load_chunks(x_ref, r0, block_rows, width)
+    weights = None
+    if normalize:
+        weights = [jnp.where(is_q[:, None], qw, kw)
+                   for qw, kw in zip(_weight_chunks(qw_ref, width), _weight_chunks(kw_ref, width))]
+    rotated = _norm_rope_chunks(x_chunks, weights, *_rope_rows(cos_ref, sin_ref, token, in_rows), eps=eps,
+                                dtype=x_ref.dtype)
     # Rows that are not written point past the end of their output too, so that interpret mode's
     # scatter drops them as well.
     q_ok = in_rows & is_q
-    q_row = jnp.where(q_ok, token * num_heads + slot, q_ref.shape[0])[:, None]
-    _store_rows(q_ref, (q_row, first), q_ok, r1)
-    _store_rows(q_ref, (q_row, first + half), q_ok, r2)
+    _store_chunks(q_ref, (jnp.where(q_ok, token * num_heads + slot, q_ref.shape[0])[:, None],), q_ok, rotated)
 
     if paged:
         pos_ref, pt_ref = rest[:2]
@@ -352,20 +356,18 @@ def _qkv_norm_rope_kernel(*refs, paged: bool, q_len: int, num_heads: int, num_kv
                                               num_pages, page_size)
     else:
         ok = in_rows
-    for kind, ref, head, (v1, v2) in (
-            (is_k, k_ref, slot - num_heads, (r1, r2)),
-            (is_v, v_ref, slot - num_heads - num_kv_heads,
-             (x1.astype(x_ref.dtype), x2.astype(x_ref.dtype)))):
+    for kind, ref, head, chunks in (
+            (is_k, k_ref, slot - num_heads, rotated),
+            (is_v, v_ref, slot - num_heads - num_kv_heads, [c.astype(x_ref.dtype) for c in x_chunks])):
         kind_ok = ok & kind
         if paged:
             index = (jnp.where(kind_ok, page, num_pages)[:, None], page_slot[:, None], head[:, None])
         else:
             index = (jnp.where(kind_ok, token * num_kv_heads + head, ref.shape[0])[:, None],)
-        _store_rows(ref, (*index, first), kind_ok, v1)
-        _store_rows(ref, (*index, first + half), kind_ok, v2)
+        _store_chunks(ref, index, kind_ok, chunks)
 
 
-def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, positions, num_heads: int,
+def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, cos, sin, num_heads: int,
                num_kv_heads: int) -> tuple[int, int, int, int]:
     """(batch, T, head_dim, rows) of a valid fused projection; ValueError naming what is not."""
     if num_heads < 1 or num_kv_heads < 1:
@@ -374,36 +376,42 @@ def _check_qkv(qkv: jax.Array, q_norm_weight, k_norm_weight, positions, num_head
     if qkv.ndim != 3 or qkv.shape[-1] % slots:
         raise ValueError(f"qkv must be [batch, T, (num_heads + 2 * num_kv_heads) * head_dim] = "
                          f"[.., .., {slots} * head_dim], got {qkv.shape}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must both be given or both be None")
     batch, q_len, width = qkv.shape
     head_dim = width // slots
-    _check_rows("qkv", jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), qkv.dtype), q_norm_weight,
-                positions, "q_norm_weight")
-    if k_norm_weight.shape != (head_dim,):
+    shape = jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), qkv.dtype)
+    _check_rows("qkv", shape, q_norm_weight, "q_norm_weight")
+    _check_tables("qkv", shape.shape, cos, sin)
+    if k_norm_weight is not None and k_norm_weight.shape != (head_dim,):
         raise ValueError(f"k_norm_weight must be [head_dim={head_dim}], got {k_norm_weight.shape}")
     return batch, q_len, head_dim, batch * q_len * slots
 
 
-def _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, positions, pages, *, num_heads: int,
-                        num_kv_heads: int, eps: float, theta: float, interpret: bool, block_rows,
-                        num_warps, num_stages):
+def _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, pages, *, num_heads: int,
+                        num_kv_heads: int, eps: float, interpret: bool, block_rows, num_warps, num_stages):
     """The pallas_call behind both wrappers: ``pages`` is (k_pages, v_pages, page_table) or None."""
-    batch, q_len, head_dim, num_rows = _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, num_heads,
+    batch, q_len, head_dim, num_rows = _check_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                                   num_kv_heads)
     tokens = batch * q_len
+    normalize = q_norm_weight is not None
+    inputs = (qkv.reshape(num_rows, head_dim), *((q_norm_weight, k_norm_weight) if normalize else ()),
+              *_flat_tables(cos.astype(qkv.dtype), sin.astype(qkv.dtype)))
     if pages is None:
         kv_shape = jax.ShapeDtypeStruct((tokens * num_kv_heads, head_dim), qkv.dtype)
-        kv_outs, paged_ins, aliases = (kv_shape, kv_shape), (), {}
+        kv_outs, aliases = (kv_shape, kv_shape), {}
     else:
         k_pages, v_pages, page_table = pages
+        _check_positions(positions, (batch, q_len))
         _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages,
                      v_pages, page_table)
         kv_outs = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages))
-        paged_ins = (positions.reshape(-1).astype(jnp.int32), page_table, k_pages, v_pages)
-        aliases = {7: 1, 8: 2}  # the input pages are outputs 1 and 2
+        inputs += (positions.reshape(-1).astype(jnp.int32), page_table, k_pages, v_pages)
+        aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2}  # the input pages are outputs 1 and 2
     block_rows = _rows_per_program(block_rows, num_rows)
-    kernel = functools.partial(_qkv_norm_rope_kernel, paged=pages is not None, q_len=q_len,
-                               num_heads=num_heads, num_kv_heads=num_kv_heads, block_rows=block_rows,
-                               eps=eps)
+    kernel = functools.partial(_qkv_norm_rope_kernel, paged=pages is not None, normalize=normalize,
+                               q_len=q_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               block_rows=block_rows, eps=eps)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_rows),),
@@ -412,24 +420,22 @@ def _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, positions, pages, *, 
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="qkv_norm_rope" if pages is None else "qkv_norm_rope_write",
-    )(qkv.reshape(num_rows, head_dim), q_norm_weight, k_norm_weight,
-      *_rope_tables(positions, head_dim, theta, qkv.dtype), *paged_ins)
+    )(*inputs)
 
 
-_QKV_STATICS = ("num_heads", "num_kv_heads", "eps", "theta", "interpret", "block_rows", "num_warps",
-                "num_stages")
+_QKV_STATICS = ("num_heads", "num_kv_heads", "eps", "interpret", "block_rows", "num_warps", "num_stages")
 
 
 @functools.partial(jax.jit, static_argnames=_QKV_STATICS)
-def qkv_norm_rope(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array, positions: jax.Array,
-                  *, num_heads: int, num_kv_heads: int, eps: float, theta: float, interpret: bool = False,
-                  block_rows: int | None = None, num_warps: int | None = None,
+def qkv_norm_rope(qkv: jax.Array, q_norm_weight: jax.Array | None, k_norm_weight: jax.Array | None,
+                  cos: jax.Array, sin: jax.Array, *, num_heads: int, num_kv_heads: int, eps: float,
+                  interpret: bool = False, block_rows: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas version of ``qkv_norm_rope_reference`` (same arguments and results): one launch
     instead of three slices and two norm+RoPE passes. block_rows (rows of D values per program)
     defaults to ``tuning.row_block``."""
-    q, k, v = _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, positions, None, num_heads=num_heads,
-                                  num_kv_heads=num_kv_heads, eps=eps, theta=theta, interpret=interpret,
+    q, k, v = _qkv_norm_rope_call(qkv, q_norm_weight, k_norm_weight, cos, sin, None, None, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, eps=eps, interpret=interpret,
                                   block_rows=block_rows, num_warps=num_warps, num_stages=num_stages)
     batch, q_len = qkv.shape[:2]
     return (q.reshape(batch, q_len, num_heads, -1), k.reshape(batch, q_len, num_kv_heads, -1),
@@ -437,10 +443,10 @@ def qkv_norm_rope(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.A
 
 
 @functools.partial(jax.jit, static_argnames=_QKV_STATICS)
-def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
-                        positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                        *, num_heads: int, num_kv_heads: int, eps: float, theta: float,
-                        interpret: bool = False, block_rows: int | None = None,
+def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array | None, k_norm_weight: jax.Array | None,
+                        cos: jax.Array, sin: jax.Array, positions: jax.Array, k_pages: jax.Array,
+                        v_pages: jax.Array, page_table: jax.Array, *, num_heads: int, num_kv_heads: int,
+                        eps: float, interpret: bool = False, block_rows: int | None = None,
                         num_warps: int | None = None,
                         num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas version of ``qkv_norm_rope_write_reference`` (same arguments and results): one
@@ -448,7 +454,7 @@ def qkv_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight:
     outputs (in place when donated); positions outside the page table are dropped for k/v.
     block_rows (rows of D values per program) defaults to ``tuning.row_block``."""
     q, k_pages, v_pages = _qkv_norm_rope_call(
-        qkv, q_norm_weight, k_norm_weight, positions, (k_pages, v_pages, page_table), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, eps=eps, theta=theta, interpret=interpret, block_rows=block_rows,
+        qkv, q_norm_weight, k_norm_weight, cos, sin, positions, (k_pages, v_pages, page_table),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, interpret=interpret, block_rows=block_rows,
         num_warps=num_warps, num_stages=num_stages)
     return q.reshape(*qkv.shape[:2], num_heads, -1), k_pages, v_pages

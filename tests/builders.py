@@ -1,6 +1,7 @@
-"""Tiny random HF checkpoints for the tests: Qwen3 targets (transformers), DFlash drafts in z-lab
-format (``dflash.model.DFlashDraftModel``) and in speculators format, as models for the parity
-tests and as whole saved folders (``*_folder``) for the conversion and checkpoint-error tests.
+"""Tiny random HF checkpoints for the tests: targets of every family (Qwen3, LLaMA, Qwen3-MoE, by
+transformers), DFlash drafts in z-lab format (``dflash.model.DFlashDraftModel``) and in
+speculators format, as models for the parity tests and as whole saved folders (``*_folder``)
+for the conversion and checkpoint-error tests.
 
 Weights are drawn with numpy from a seed (not with transformers' initializers), so a test's
 models do not change when transformers changes its init. Norm weights are 1 + noise so that
@@ -53,11 +54,53 @@ def qwen3_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: 
                        max_position_embeddings=max_position, attn_implementation="eager", **kwargs)
 
 
-def make_target(*, seed: int = 0, std: float = 0.02, embed_std: float = 1.0, **config):
-    """A Qwen3ForCausalLM (f32, eval) with seeded random weights."""
-    from transformers import Qwen3ForCausalLM
+# LLaMA-3.1's RoPE scaling shrunk to the tests' lengths: with head_dim 16 and theta 1e4, half the
+# frequencies have wavelengths past original_max_position_embeddings (divided by 8) and one lies
+# in the smoothed band, so at the tests' 10-30 positions the phases differ from plain RoPE by
+# radians, not rounding (test_families checks that).
+LLAMA3_TEST_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
-    model = Qwen3ForCausalLM(qwen3_config(**config)).eval()
+
+def llama_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int | None = None,
+                 intermediate: int | None = None, tie: bool = False, rope=None, bias: bool = False,
+                 eps: float = 1e-5, max_position: int = 4096, rope_theta: float | None = None):
+    from transformers import LlamaConfig
+
+    rope = dict(rope or LLAMA3_TEST_ROPE)
+    if rope_theta is not None:
+        rope["rope_theta"] = float(rope_theta)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim or hidden // heads, tie_word_embeddings=tie, rms_norm_eps=eps,
+                       rope_parameters=rope, max_position_embeddings=max_position, attention_bias=bias,
+                       mlp_bias=bias, attn_implementation="eager")
+
+
+def qwen3_moe_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int | None = None,
+                     intermediate: int | None = None, tie: bool = False, rope_theta: float = 1e6,
+                     experts: int = 8, top_k: int = 2, expert_width: int = 32, norm_topk_prob: bool = True,
+                     sparse_step: int = 1, mlp_only_layers=(), eps: float = 1e-6, max_position: int = 4096):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          head_dim=head_dim or hidden // heads, tie_word_embeddings=tie, rms_norm_eps=eps,
+                          rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+                          max_position_embeddings=max_position, num_experts=experts, num_experts_per_tok=top_k,
+                          moe_intermediate_size=expert_width, norm_topk_prob=norm_topk_prob,
+                          decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only_layers),
+                          attn_implementation="eager")
+
+
+FAMILY_CONFIGS = {"qwen3": qwen3_config, "llama": llama_config, "qwen3_moe": qwen3_moe_config}
+
+
+def make_target(*, seed: int = 0, std: float = 0.02, embed_std: float = 1.0, family: str = "qwen3", **config):
+    """A causal LM of ``family`` (f32, eval) with seeded random weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[family](**config)).eval()
     return fill_random(model, seed, std=std, embed_std=embed_std)
 
 
@@ -72,14 +115,19 @@ def edit_config(path: Path, edit) -> None:
 def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: bool = False,
                 eos_token_id=None) -> Path:
     """save_pretrained, then optionally rewrite config.json in older styles: ``rope_style="theta"``
-    puts ``rope_theta`` at the top level (no rope_parameters); ``drop_head_dim`` removes head_dim
-    (only valid when it is 128, transformers' Qwen3Config default)."""
+    puts ``rope_theta`` at the top level (no rope_parameters); ``"scaling"`` as LLaMA-3.1's
+    release writes it (top-level ``rope_theta``, the rest under ``rope_scaling``); ``drop_head_dim``
+    removes head_dim (only valid when it is 128, transformers' Qwen3Config default)."""
     path = Path(path)
     model.save_pretrained(path)
 
     def edit(raw):
         if rope_style == "theta":
             raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+        if rope_style == "scaling":
+            scaling = raw.pop("rope_parameters")
+            raw["rope_theta"] = scaling.pop("rope_theta")
+            raw["rope_scaling"] = scaling
         if drop_head_dim:
             assert raw["head_dim"] == 128
             del raw["head_dim"]
@@ -93,8 +141,9 @@ def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: b
 def make_zlab_draft(target, *, layers: int = 2, block_size: int = 16, mask_token_id: int | None = None,
                     target_layer_ids=(1, 2), heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
                     rope_theta: float = 10_000.0, layer_types=None, sliding_window: int | None = None,
-                    extra: dict | None = None, seed: int = 100, std: float = 0.02):
-    """A z-lab DFlashDraftModel reading ``target`` (a Qwen3ForCausalLM), seeded random weights."""
+                    extra: dict | None = None, seed: int = 100, std: float = 0.02, rope: dict | None = None):
+    """A z-lab DFlashDraftModel (Qwen3 layers) reading ``target`` (a causal LM of any family),
+    seeded random weights; ``rope`` replaces its default RoPE (a llama3 one, as LLaMA drafts)."""
     from dflash.model import DFlashDraftModel
 
     tcfg = target.config
@@ -102,6 +151,8 @@ def make_zlab_draft(target, *, layers: int = 2, block_size: int = 16, mask_token
                        kv_heads=kv_heads, head_dim=head_dim, intermediate=tcfg.intermediate_size,
                        rope_theta=rope_theta, layer_types=layer_types, sliding_window=sliding_window,
                        eps=tcfg.rms_norm_eps)
+    if rope is not None:
+        cfg.rope_parameters = dict(rope)
     cfg.architectures = ["DFlashDraftModel"]
     cfg.block_size = block_size
     cfg.num_target_layers = tcfg.num_hidden_layers
@@ -173,32 +224,51 @@ def save_speculators_draft(draft, target, path, *, selected_ids=None) -> Path:
     return path
 
 
-def _rope_peak_query(head_dim: int, theta: float, offset: int, amplitude: float, pairs: int) -> np.ndarray:
+def _rope_freqs(module, theta: float, head_dim: int) -> np.ndarray:
+    """The inverse frequencies a model's RoPE rotates by: theta ** (-2i / head_dim) in float64 for
+    plain RoPE (what the Qwen3 pairs were built with), else its own scaled ones (llama3)."""
+    rotary = module.rotary_emb
+    if getattr(rotary, "rope_type", "default") == "default":
+        return theta ** (-np.arange(head_dim // 2) * 2.0 / head_dim)
+    return rotary.inv_freq.double().numpy()
+
+
+def _rope_peak_query(head_dim: int, freqs: np.ndarray, offset: int, amplitude: float, pairs: int) -> np.ndarray:
     """q with q . rope(k) maximal when q_pos - k_pos == offset, for k = ones on the first ``pairs``
     rotary pairs (HF rotate_half layout: pair j is dims j and j + head_dim/2)."""
     half = head_dim // 2
-    freqs = theta ** (-np.arange(half) * 2.0 / head_dim)
     q = np.zeros(head_dim)
     q[:pairs] = amplitude * np.cos(offset * freqs[:pairs])
     q[half:half + pairs] = -amplitude * np.sin(offset * freqs[:pairs])
     return q
 
 
-def _copy_head(attn, *, hidden: int, head_dim: int, theta: float, offset: int, code_dims: int, gain: float,
-               amplitude: float = 90.0, pairs: int = 3) -> None:
-    """Make ``attn`` (a Qwen3 attention with 2 kv heads) attend from every position to the one
+def _copy_head(attn, *, hidden: int, head_dim: int, freqs: np.ndarray, offset: int, code_dims: int, gain: float,
+               amplitude: float = 90.0, pairs: int = 3, input_dim0: float = 1.0) -> None:
+    """Make ``attn`` (an attention with 2 kv heads) attend from every position to the one
     ``offset`` tokens earlier (queries/keys read only the constant hidden dim 0; RoPE does the
-    rest) and add ``gain`` x that token's code dims (1..code_dims) back onto the same dims."""
+    rest) and add ``gain`` x that token's code dims (1..code_dims) back onto the same dims.
+
+    With q/k norms (Qwen3) the norm weights carry the query and key patterns (the projections give
+    constant vectors, which the norms map to ones); without them (LLaMA) the projections do,
+    scaled by ``input_dim0``, the value the input norm gives hidden dim 0 (about the same for
+    every token)."""
+    peak = torch.tensor(_rope_peak_query(head_dim, freqs, offset, amplitude, pairs), dtype=torch.float32)
+    k = torch.zeros(head_dim)
+    k[:pairs] = 1.0
     with torch.no_grad():
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
             proj.weight.zero_()
-        attn.q_proj.weight[:, 0] = 1.0
-        attn.k_proj.weight[:, 0] = 1.0
-        attn.q_norm.weight.copy_(torch.tensor(_rope_peak_query(head_dim, theta, offset, amplitude, pairs),
-                                              dtype=torch.float32))
-        k = torch.zeros(head_dim)
-        k[:pairs] = 1.0
-        attn.k_norm.weight.copy_(k)
+            if proj.bias is not None:
+                proj.bias.zero_()
+        if hasattr(attn, "q_norm"):
+            attn.q_proj.weight[:, 0] = 1.0
+            attn.k_proj.weight[:, 0] = 1.0
+            attn.q_norm.weight.copy_(peak)
+            attn.k_norm.weight.copy_(k)
+        else:
+            attn.q_proj.weight[:, 0] = peak.repeat(attn.q_proj.weight.shape[0] // head_dim) / input_dim0
+            attn.k_proj.weight[:, 0] = k.repeat(attn.k_proj.weight.shape[0] // head_dim) / input_dim0
         kv_dims = attn.v_proj.weight.shape[0]
         assert kv_dims >= code_dims
         for i in range(code_dims):
@@ -215,10 +285,11 @@ CODE_DIMS = 32     # hidden dims 1..32 carry a token's identity code
 
 
 def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, head_noise: float = 0.45,
-                     gain: float = 1.0, mask_token_id: int = 127):
-    """A Qwen3 target (V 128, H 64, 4 layers, 4/2 heads, head_dim 16, rope 1e4) that continues a
-    prompt (of at least ``period`` tokens) by copying the token ``period`` positions back, with
-    deterministic content-dependent deviations from LM-head noise ``head_noise``.
+                     gain: float = 1.0, mask_token_id: int = 127, family: str = "qwen3", **family_kwargs):
+    """A target of ``family`` (V 128, H 64, 4 layers, 4/2 heads, head_dim 16, rope 1e4; LLaMA:
+    its test llama3 RoPE; MoE: random experts) that continues a prompt (of at least ``period``
+    tokens) by copying the token ``period`` positions back, with deterministic content-dependent
+    deviations from LM-head noise ``head_noise``.
 
     Hidden dim 0 is a constant (every embedding has 1 there) that the copy head's queries and keys
     read, so its attention pattern depends only on relative position (RoPE); dims 1..32 hold a
@@ -226,7 +297,7 @@ def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, hea
     no code. Every other weight is small random noise, so every weight still matters."""
     vocab, hidden, head_dim = 128, 64, 16
     target = make_target(seed=seed, std=noise, vocab=vocab, hidden=hidden, layers=4, heads=4, kv_heads=2,
-                         head_dim=head_dim, rope_theta=COPY_THETA)
+                         head_dim=head_dim, rope_theta=COPY_THETA, family=family, **family_kwargs)
     rng = np.random.default_rng(seed + 1000)
     codes = rng.standard_normal((vocab, CODE_DIMS))
     codes /= np.linalg.norm(codes, axis=1, keepdims=True)
@@ -236,8 +307,11 @@ def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, hea
         embed[:, 0] = 1.0
         embed[:, 1:1 + CODE_DIMS] = torch.tensor(codes, dtype=torch.float32)
         embed[mask_token_id, 1:1 + CODE_DIMS] = 0.0
-        _copy_head(target.model.layers[1].self_attn, hidden=hidden, head_dim=head_dim, theta=COPY_THETA,
-                   offset=period - 1, code_dims=CODE_DIMS, gain=gain)
+        # hidden dim 0 after layer 1's input norm: 1 / rms(embedding), |embedding|^2 ~ 2
+        input_dim0 = float(target.model.layers[1].input_layernorm.weight[0]) * (hidden / 2) ** 0.5
+        _copy_head(target.model.layers[1].self_attn, hidden=hidden, head_dim=head_dim,
+                   freqs=_rope_freqs(target.model, COPY_THETA, head_dim), offset=period - 1, code_dims=CODE_DIMS,
+                   gain=gain, input_dim0=input_dim0)
         head = output_head_weight(target)
         head.copy_(torch.tensor(head_noise * rng.standard_normal((vocab, hidden)), dtype=torch.float32))
         head[:, 1:1 + CODE_DIMS] += torch.tensor(codes, dtype=torch.float32)
@@ -261,7 +335,8 @@ def make_copy_draft(target, *, period: int = 6, seed: int = 100, noise: float = 
         fc.mul_(0.1)
         fc[:, :hidden] += torch.eye(hidden)
         _copy_head(draft.layers[0].self_attn, hidden=hidden, head_dim=draft.config.head_dim,
-                   theta=draft.config.rope_parameters["rope_theta"], offset=period, code_dims=CODE_DIMS, gain=gain)
+                   freqs=_rope_freqs(draft, draft.config.rope_parameters["rope_theta"], draft.config.head_dim),
+                   offset=period, code_dims=CODE_DIMS, gain=gain)
     return draft
 
 

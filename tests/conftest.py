@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import sys
@@ -26,6 +27,18 @@ jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """XLA:CPU maps every compiled program's code into the process (a few mappings per kernel),
+    and Linux caps a process at vm.max_map_count (65530) mappings: the whole suite in one
+    process compiles more than that holds, and the compile that crosses it segfaults. Each test
+    module's programs are let go when it ends (jax's caches cleared); what a later module needs
+    again is recompiled, or read back from the persistent compilation cache when one is set."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -106,6 +119,26 @@ def spec_pair(tmp_path_factory) -> ModelPair:
 
     hf_target = make_copy_target()
     return _save_and_load(tmp_path_factory.mktemp("spec_pair"), hf_target, make_copy_draft(hf_target))
+
+
+# The copy pair built on each other target family: a LLaMA target with llama3 RoPE (and a draft
+# with the same RoPE, as z-lab's LLaMA drafts), a Qwen3-MoE target of 8 experts (top 2) on every
+# layer.
+FAMILY_PAIRS = {"llama": (dict(family="llama"), dict(rope="llama3")),
+                "qwen3_moe": (dict(family="qwen3_moe", experts=8, top_k=2, expert_width=32), dict())}
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_PAIRS))
+def family_pair(request, tmp_path_factory) -> ModelPair:
+    """spec_pair's copying target + draft, for each family beside Qwen3."""
+    from builders import LLAMA3_TEST_ROPE, make_copy_draft, make_copy_target
+
+    target_kwargs, draft_kwargs = FAMILY_PAIRS[request.param]
+    if draft_kwargs.get("rope") == "llama3":
+        draft_kwargs = {**draft_kwargs, "rope": LLAMA3_TEST_ROPE}
+    hf_target = make_copy_target(**target_kwargs)
+    return _save_and_load(tmp_path_factory.mktemp(f"{request.param}_pair"), hf_target,
+                          make_copy_draft(hf_target, **draft_kwargs))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import ab_kernels  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_matmul  # noqa: E402
+import bench_moe  # noqa: E402
 import profile_step  # noqa: E402
 
 
@@ -112,6 +113,9 @@ def test_bench_e2e_defaults_follow_the_shape():
     assert (tiny.batches, tiny.contexts, tiny.parts_batches) == ([1, 8], [16, 64], [1])
     given, _ = bench_e2e.parse_args(["--shape", "tiny", "--batches", "32", "--contexts", "8"])
     assert (given.batches, given.contexts) == ([32], [8])
+    # LLaMA-3.1's draft is trained at block 10: its blocks stop there
+    assert bench_e2e.parse_args(["--shape", "llama3.1-8b"])[0].blocks == [4, 8, 10]
+    assert bench_e2e.parse_args(["--shape", "qwen3-30b-a3b"])[0].blocks == [4, 8, 16]
 
 
 def test_bench_e2e_accepts_steps_per_check_that_divides_only_the_chunks_it_runs():
@@ -190,8 +194,29 @@ def test_roofline_charges_the_draft_what_its_block_pass_reads(tiny_models):
     pairs = 2 * (4 * 100 + (1 + 2 + 3 + 4))
     assert verify.flops == roof.target.flops * 2 * 4 + 4 * tc.num_heads * tc.head_dim * tc.num_layers * pairs
     step = roof.dflash_step(2, 0, 16)
-    kv_columns = sum(layer.qkv_proj.shape[0] * (layer.qkv_proj.shape[1] - layer.q_size) for layer in d.layers)
+    kv_columns = sum(layer.attention.qkv_proj.shape[0] * (layer.attention.qkv_proj.shape[1] - layer.attention.q_size)
+                     for layer in d.layers)
     assert step.bytes == roof.verify(2, 0, 16).bytes + part.bytes + n(d.fc) + 2 * kv_columns
+
+
+def test_roofline_charges_a_moe_layer_its_routed_experts():
+    """A MoE target's pass reads the experts its tokens route to (uniform routing: E(1-(1-k/E)^T)
+    of them), each token computing its top_k; everything else as for a dense target."""
+    from common import random_models
+    target, draft = random_models("tiny-moe")
+    roof = bench_e2e.Roofline(target, draft, {"bandwidth_bytes_per_s": 1.0, "matmul_flops_per_s": 1.0})
+    n = bench_e2e.nbytes
+    layers = target.params.layers
+    experts = sum(n(layer.ffn.gate_up_proj) + n(layer.ffn.down_proj) for layer in layers)
+    assert roof.target.bytes == n(target.params) - n(target.params.embed) - experts
+    spec = target.config.layers[0].ffn
+    one_expert = experts / target.config.num_layers / spec.num_experts
+    assert roof.experts(1).bytes == pytest.approx(target.config.num_layers * spec.top_k * one_expert)
+    assert roof.experts(10_000).bytes == pytest.approx(experts)
+    assert bench_e2e.expected_experts(128, 8, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    per_token = 2 * spec.top_k * sum(layer.ffn.gate_up_proj[0].size + layer.ffn.down_proj[0].size for layer in layers)
+    assert roof.verify(3, 0, 2).flops == roof.target.flops * 6 + per_token * 6 + roof.target_attention * 3 * 2 * 1.5
+    assert roof.weight_bytes()["target_weights"] == roof.target.bytes + roof.experts(1).bytes
 
 
 def test_roofline_charges_each_layer_its_kv_cache(tiny_models):
@@ -337,11 +362,28 @@ def test_the_reference_shortens_verify_blocks_only_at_the_end():
     assert full >= 1 and all(n < 16 for n in block_lens[full:]) and seconds > 0
 
 
-@pytest.mark.parametrize("script", [bench_e2e, profile_step, ab_kernels, bench_matmul])
+@pytest.mark.parametrize("script", [bench_e2e, profile_step, ab_kernels, bench_matmul, bench_moe])
 def test_real_shape_runs_refuse_a_cpu_in_one_line(script, capsys, tmp_path):
     argv = ["--out", str(tmp_path)] + (["--op", "write_kv"] if script is ab_kernels else [])
     with pytest.raises(SystemExit) as exit_:
         script.main(argv)
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == ("error: --shape qwen3-8b is timed on a GPU, and jax sees only cpu "
+    shape = "qwen3-30b-a3b" if script is bench_moe else "qwen3-8b"
+    assert capsys.readouterr().err.strip() == (f"error: --shape {shape} is timed on a GPU, and jax sees only cpu "
                                                "(--shape tiny is the CPU smoke test)")
+
+
+def test_bench_moe_times_every_method_against_the_routed_bytes(tmp_path, capsys):
+    """Each method per token count, against the bytes of the experts the routing chose: as many as
+    top_k for one token, at most all of them; the kernel variants named by their tuning."""
+    bench_moe.main(["--shape", "tiny-moe", "--out", str(tmp_path), "--tokens", "1,8", "--iterations", "2",
+                    "--repeats", "1", "--layers", "2", "--tunings", '{};{"block_n": 16}'])
+    report = json.loads((tmp_path / "bench_moe.json").read_text())
+    cells = {(c["tokens"], c["method"]): c for c in report["cells"]}
+    assert set(cells) == {(t, m) for t in (1, 8) for m in ("ragged_dot", "gather", "dense_loop", "pallas",
+                                                          'pallas {"block_n": 16}')}
+    assert cells[1, "pallas"]["experts"] == 2 and 2 <= cells[8, "pallas"]["experts"] <= 8
+    for cell in cells.values():
+        assert math.isclose(cell["fraction_of_floor"], cell["floor_us"] / cell["us"])
+    assert report["expert_bytes"] == 3 * 64 * 32 * 2
+    assert "tokens  method" in capsys.readouterr().out

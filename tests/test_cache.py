@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from dflash_jax.cache import OutOfPagesError, PagedKVCache, allocate_pages, init_cache
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import uniform_config
 from pallas_kernels import gather_pages, write_pages
 
-TARGET = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4,
+TARGET = uniform_config(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=4)
-DRAFT = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+DRAFT = uniform_config(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                     num_kv_heads=1, head_dim=8)
 
 
@@ -64,7 +64,7 @@ def test_allocate_no_sequences_is_a_clear_error():
 
 def test_init_cache_groups_shapes_fill_and_properties():
     table, num_pages = allocate_pages([10, 20], page_size=8, num_pages=9, rng=np.random.default_rng(1))
-    cache = init_cache([(TARGET, TARGET.num_layers), (DRAFT, DRAFT.num_layers)], table, num_pages, 8,
+    cache = init_cache(TARGET, DRAFT, table, num_pages, 8,
                        jnp.bfloat16, fill=float("nan"))
     assert isinstance(cache, PagedKVCache)
     assert len(cache.k) == len(cache.v) == 5 and cache.num_target_layers == 3

@@ -69,8 +69,8 @@ def test_config_hidden_size_disagrees_with_weights(target):
 
 
 def test_unknown_model_type(target):
-    edit_config(target, lambda raw: raw.update(model_type="llama"))
-    _convert_fails(target, ConfigError, "model_type 'llama' is not supported")
+    edit_config(target, lambda raw: raw.update(model_type="mistral", architectures=["MistralForCausalLM"]))
+    _convert_fails(target, ConfigError, r"architecture MistralForCausalLM is not supported \(supported: Qwen3ForCausalLM")
 
 
 def test_missing_config_field(target):
@@ -403,7 +403,7 @@ def test_converted_config_edited_after_conversion(target):
                                               "config.json expects absent"):
         load_target(out)
     edit_config(out, lambda raw: raw.update(tie_word_embeddings=False, intermediate_size=96))
-    with pytest.raises(CheckpointError, match="params leaf 'layers.0.down_proj' is \\[64, 32\\]"):
+    with pytest.raises(CheckpointError, match="params leaf 'layers.0.ffn.down_proj' is \\[64, 32\\]"):
         load_target(out)
 
 
@@ -422,10 +422,13 @@ def test_export_checks_params_against_config(tmp_path):
     target_folder(tmp_path / "hf")
     target = load_target(tmp_path / "hf", dtype="float32")
     layers = list(target.params.layers)
-    layers[1] = layers[1].replace(qkv_proj=layers[1].qkv_proj[:, :-8])
-    with pytest.raises(CheckpointError, match=r"'layers.1.qkv_proj' has \d+ columns, the config's fused tensors need"):
+    attention = layers[1].attention
+    layers[1] = layers[1].replace(attention=attention.replace(qkv_proj=attention.qkv_proj[:, :-8]))
+    with pytest.raises(CheckpointError, match=r"'layers.1.attention.qkv_proj' has \d+ columns, the config's fused "
+                                              "tensors need"):
         export_target(target.config, target.params.replace(layers=tuple(layers)), tmp_path / "out")
-    layers[1] = target.params.layers[1].replace(down_proj=target.params.layers[1].down_proj[:, :8])
+    ffn = target.params.layers[1].ffn
+    layers[1] = target.params.layers[1].replace(ffn=ffn.replace(down_proj=ffn.down_proj[:, :8]))
     with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.down_proj.weight' has shape \[8, "):
         export_target(target.config, target.params.replace(layers=tuple(layers)), tmp_path / "out")
     with pytest.raises(CheckpointError, match="params lack tensor 'lm_head.weight'"):

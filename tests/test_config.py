@@ -143,7 +143,7 @@ def test_rope_scaling_beside_rope_parameters():
 
 
 @pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
-@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic", "llama3"])
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "longrope"])
 def test_unsupported_rope_type(where, rope_type):
     raw = qwen3_raw(rope_theta=1e6)
     del raw["rope_parameters"]
@@ -153,14 +153,13 @@ def test_unsupported_rope_type(where, rope_type):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(layer_types=["full_attention"]), "layer_types"),
     (dict(layer_types=["full_attention", "linear_attention"]), "linear_attention"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      r"quantized checkpoints .* 'fp8'\) are not supported"),
-], ids=["bias", "act", "layer-count", "layer-kind", "kv-heads", "quantized"])
+], ids=["act", "layer-count", "layer-kind", "kv-heads", "quantized"])
 def test_unsupported_target_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(qwen3_raw(**overrides))
@@ -193,8 +192,13 @@ def test_integral_floats_are_integers_and_max_position_defaults_as_transformers(
 
 
 def test_load_target_config_checks_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(qwen3_raw(model_type="llama")))
-    with pytest.raises(ConfigError, match="llama"):
+    raw = {**qwen3_raw(model_type="mistral"), "architectures": ["MistralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"architecture MistralForCausalLM is not supported \(supported: "
+                                          r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM\)"):
+        load_target_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": None}))
+    with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
         load_target_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(qwen3_raw()))
     assert load_target_config(tmp_path).hidden_size == 32

@@ -85,7 +85,7 @@ def test_save_params_with_an_orbax_that_always_copies(tmp_path, monkeypatch):
             super().__init__()
     monkeypatch.setattr(ocp.type_handlers, "NumpyHandler", CopyingNumpyHandler)
     params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
-    with pytest.warns(UserWarning, match="twice the params' size"):
+    with pytest.warns(UserWarning, match="twice the largest layer's size"):
         checkpoint.save_params(tmp_path, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     assert_same_tree(checkpoint.restore_params(tmp_path, abstract), params)
@@ -118,8 +118,8 @@ def test_speculators_draft_round_trip(tmp_path, draft_vocab):
     layer = converted.params.layers[1]
     qkv = np.concatenate([tensors[f"layers.1.self_attn.{p}_proj.weight"].numpy().T for p in "qkv"], axis=1)
     gate_up = np.concatenate([tensors[f"layers.1.mlp.{p}_proj.weight"].numpy().T for p in ("gate", "up")], axis=1)
-    np.testing.assert_array_equal(layer.qkv_proj, qkv)
-    np.testing.assert_array_equal(layer.gate_up_proj, gate_up)
+    np.testing.assert_array_equal(layer.attention.qkv_proj, qkv)
+    np.testing.assert_array_equal(layer.ffn.gate_up_proj, gate_up)
     if draft_vocab:
         np.testing.assert_array_equal(converted.params.lm_head, tensors["lm_head.weight"].numpy().T)
         assert converted.params.d2t.dtype == np.int32

@@ -52,7 +52,7 @@ def test_default_target_matches_transformers(pair):
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
     table, pages = allocate_pages([len(ids)], 16)
-    cache = init_cache([(target.config, target.config.num_layers)], table, pages, 16, jnp.float32)
+    cache = init_cache(target.config, None, table, pages, 16, jnp.float32)
     hidden, _, _ = target_model.forward(target.params, target.config, jnp.asarray([ids]),
                                         jnp.zeros((1,), jnp.int32), cache, impl="reference")
     got = target_model.logits(target.params, hidden)[0]

@@ -375,7 +375,7 @@ def _check_draft_internals(hf_target, hf_draft, target, draft, context_lens=(7, 
     need = [width + block] * len(contexts)
     table, num_pages = allocate_pages(need, page_size, sum(-(-n // page_size) for n in need) + 3,
                                       rng=np.random.default_rng(3))
-    cache = init_cache([(target.config, target.config.num_layers), (config.model, config.model.num_layers)],
+    cache = init_cache(target.config, config.model,
                        table, num_pages, page_size, jnp.float32, fill=float("nan"))
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (len(contexts), width))
     cache = draft_model.write_context(params, config, jnp.asarray(taps), positions, cache, impl=impl)

@@ -275,15 +275,36 @@ def test_f16_values_at_the_top_of_the_range_stay_finite(interpret, num_splits):
 
 
 # --------------------------------------------------------------------------------------------
-# norm_rope_write, qkv_norm_rope_write and qkv_norm_rope.
+# norm_rope_write, qkv_norm_rope_write and qkv_norm_rope. Each case also picks a RoPE: its kind
+# (default, llama3 or YaRN tables, whose attention factor scales cos and sin), the rotated
+# fraction of head_dim (1: whole heads; less: partial rotary, the rest passing through) and
+# whether the heads are RMS-normed first (Qwen3) or not (LLaMA).
 
-WRITE_CASES = [("f32", 64, 16, 2), ("bf16", 128, 32, 8), ("f32", 128, 32, 1), ("bf16", 64, 16, 4),
-               ("f32", 64, 32, 2), ("bf16", 128, 16, 8)]
+ROPES = {"default": ("default", 1.0, True), "llama3-nonorm": ("llama3", 1.0, False),
+         "yarn-half": ("yarn", 0.5, True), "quarter-nonorm": ("default", 0.25, False)}
+
+
+def _rope_tables(name: str, positions, head_dim: int, dtype):
+    """(cos, sin, normed) of RoPE variant ``name`` at ``positions`` [B, T]."""
+    from dflash_jax.nn.rope import RopeSpec, tables
+
+    kind, fraction, normed = ROPES[name]
+    scaling = {"llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64),
+               "yarn": dict(factor=4.0, original_max_position_embeddings=256, attention_factor=1.2)}
+    spec = RopeSpec(theta=1e4, rotary_dim=int(head_dim * fraction), kind=kind, **scaling.get(kind, {}))
+    cos, sin = tables(jnp.asarray(positions, jnp.int32), spec, dtype)
+    return cos, sin, normed
+
+
+WRITE_CASES = [("f32", 64, 16, 2, "default"), ("bf16", 128, 32, 8, "llama3-nonorm"), ("f32", 128, 32, 1, "yarn-half"),
+               ("bf16", 64, 16, 4, "quarter-nonorm"), ("f32", 64, 32, 2, "llama3-nonorm"),
+               ("bf16", 128, 16, 8, "yarn-half"), ("f32", 64, 16, 4, "quarter-nonorm")]
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_norm_rope_write(case, interpret, check):
-    dtype, head_dim, page_size, heads = case
+    dtype, head_dim, page_size, heads, rope = case
     dtype = DTYPES[dtype]
     rng = _rng("write", case)
     batch, q_len, pages_per_seq = 3, 6, 3
@@ -300,10 +321,11 @@ def test_norm_rope_write(case, interpret, check):
              for _ in range(2)]
     k, v = (jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), dtype)
             for _ in range(2))
-    weight = jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype)
-    args = (k, v, weight, jnp.asarray(positions, jnp.int32), *pages,
+    cos, sin, normed = _rope_tables(rope, positions, head_dim, dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) if normed else None
+    args = (k, v, weight, cos, sin, jnp.asarray(positions, jnp.int32), *pages,
             jnp.asarray(table, jnp.int32))
-    kw = dict(eps=1e-6, theta=1e4)
+    kw = dict(eps=1e-6)
     k_out, v_out = pk.norm_rope_write(*args, interpret=interpret, **kw)
     k_ref, v_ref = _reference(pk.norm_rope_write_reference, *args, **kw)
     # the written slots against the reference's (on their own: they are ~5% of the pages), and
@@ -316,29 +338,31 @@ def test_norm_rope_write(case, interpret, check):
     np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
 
 
-def _qkv_projection(rng, batch: int, q_len: int, group: int, head_dim: int, dtype, theta: float):
+def _qkv_projection(rng, batch: int, q_len: int, group: int, head_dim: int, dtype, normed: bool):
     """A random fused q|k|v projection [batch, q_len, (Hq + 2 Hkv) * D] (2 KV heads), the q and k
-    norm weights, and the kernels' static arguments."""
+    norm weights (None unless ``normed``), and the kernels' static arguments."""
     kv_heads = 2
     heads = kv_heads * group
     qkv = jnp.asarray(3 * rng.standard_normal((batch, q_len, (heads + 2 * kv_heads) * head_dim)), dtype)
-    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) for _ in range(2))
-    return qkv, q_w, k_w, dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, theta=theta)
+    q_w, k_w = (jnp.asarray(rng.uniform(0.5, 1.5, head_dim), dtype) if normed else None for _ in range(2))
+    return qkv, q_w, k_w, dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
 
 
-# (dtype, GQA group, head_dim, page size, tokens per sequence)
-QKV_CASES = [("f32", 1, 64, 16, 6), ("bf16", 4, 128, 32, 5), ("f32", 8, 64, 32, 1), ("bf16", 8, 128, 16, 16),
-             ("bf16", 4, 64, 32, 3), ("f32", 4, 128, 16, 2)]
+# (dtype, GQA group, head_dim, page size, tokens per sequence, RoPE)
+QKV_CASES = [("f32", 1, 64, 16, 6, "default"), ("bf16", 4, 128, 32, 5, "llama3-nonorm"),
+             ("f32", 8, 64, 32, 1, "yarn-half"), ("bf16", 8, 128, 16, 16, "quarter-nonorm"),
+             ("bf16", 4, 64, 32, 3, "default"), ("f32", 4, 128, 16, 2, "yarn-half"),
+             ("f32", 2, 64, 16, 4, "quarter-nonorm")]
 
 
 @pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_qkv_norm_rope_write(case, interpret, check):
     """q out, k and v into NaN-poisoned, permuted pages; dropped positions leave pages as they were."""
-    dtype, group, head_dim, page_size, q_len = case
+    dtype, group, head_dim, page_size, q_len, rope = case
     dtype = DTYPES[dtype]
     rng = _rng("qkv_write", case)
     lens = [page_size + 3, 2 * page_size, 1]  # ragged, an exact page multiple, a fresh prompt
-    qkv, q_w, k_w, kw = _qkv_projection(rng, len(lens), q_len, group, head_dim, dtype, theta=1e4)
+    qkv, q_w, k_w, kw = _qkv_projection(rng, len(lens), q_len, group, head_dim, dtype, ROPES[rope][2])
     pages_per_seq = -(-(max(lens) + q_len) // page_size) + 1
     k_pages, v_pages, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
                                          kv_heads=kw["num_kv_heads"], head_dim=head_dim, dtype=dtype,
@@ -353,7 +377,8 @@ def test_qkv_norm_rope_write(case, interpret, check):
             table[b, p] = free.pop(rng.integers(len(free)))
     positions = np.asarray(lens)[:, None] + np.arange(q_len)[None, :]
     positions[0, -1] = pages_per_seq * page_size  # past the page table: dropped
-    args = (qkv, q_w, k_w, jnp.asarray(positions, jnp.int32), k_pages, v_pages, jnp.asarray(table))
+    cos, sin, _ = _rope_tables(rope, positions, head_dim, dtype)
+    args = (qkv, q_w, k_w, cos, sin, jnp.asarray(positions, jnp.int32), k_pages, v_pages, jnp.asarray(table))
     outs = pk.qkv_norm_rope_write(*args, interpret=interpret, **kw)
     refs = _reference(pk.qkv_norm_rope_write_reference, *args, **kw)
     check(outs[0], refs[0], dtype)
@@ -364,25 +389,81 @@ def test_qkv_norm_rope_write(case, interpret, check):
         check(out[written], ref[written], dtype)
 
 
-# (dtype, GQA group, head_dim, tokens per sequence, rows per program)
-QKV_BLOCK_CASES = [("f32", 1, 64, 6, None), ("bf16", 4, 128, 16, None), ("f32", 8, 64, 1, 16),
-                   ("bf16", 2, 128, 5, 8), ("bf16", 8, 64, 3, None), ("f32", 4, 128, 16, None)]
+# (dtype, GQA group, head_dim, tokens per sequence, rows per program, RoPE)
+QKV_BLOCK_CASES = [("f32", 1, 64, 6, None, "default"), ("bf16", 4, 128, 16, None, "yarn-half"),
+                   ("f32", 8, 64, 1, 16, "llama3-nonorm"), ("bf16", 2, 128, 5, 8, "quarter-nonorm"),
+                   ("bf16", 8, 64, 3, None, "default"), ("f32", 4, 128, 16, None, "quarter-nonorm"),
+                   ("f32", 2, 64, 4, None, "yarn-half")]
 
 
 @pytest.mark.parametrize("case", QKV_BLOCK_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_qkv_norm_rope(case, interpret, check):
     """The draft block's q, k (normed, rotated) and v straight from the fused projection."""
-    dtype, group, head_dim, q_len, block_rows = case
+    dtype, group, head_dim, q_len, block_rows, rope = case
     dtype = DTYPES[dtype]
     rng = _rng("qkv_block", case)
     batch = 3
-    qkv, q_w, k_w, kw = _qkv_projection(rng, batch, q_len, group, head_dim, dtype, theta=1e6)
-    positions = jnp.asarray(rng.integers(0, 40_000, (batch, q_len)), jnp.int32)
-    outs = pk.qkv_norm_rope(qkv, q_w, k_w, positions, interpret=interpret, block_rows=block_rows, **kw)
-    refs = _reference(pk.qkv_norm_rope_reference, qkv, q_w, k_w, positions, **kw)
+    qkv, q_w, k_w, kw = _qkv_projection(rng, batch, q_len, group, head_dim, dtype, ROPES[rope][2])
+    positions = rng.integers(0, 40_000, (batch, q_len))
+    cos, sin, _ = _rope_tables(rope, positions, head_dim, dtype)
+    outs = pk.qkv_norm_rope(qkv, q_w, k_w, cos, sin, interpret=interpret, block_rows=block_rows, **kw)
+    refs = _reference(pk.qkv_norm_rope_reference, qkv, q_w, k_w, cos, sin, **kw)
     for out, ref in zip(outs[:2], refs[:2], strict=True):
         check(out, ref, dtype)
     np.testing.assert_array_equal(np.asarray(outs[2], np.float32), np.asarray(refs[2], np.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# routed_experts: a MoE layer's routed SwiGLU experts, reading only the routed experts' tiles.
+
+# (dtype, tokens, top_k, experts, hidden, expert width, block_m, routing)
+EXPERT_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random"), ("bf16", 1, 8, 128, 64, 16, 16, "random"),
+                ("f32", 5, 3, 6, 32, 48, 16, "random"), ("bf16", 17, 2, 4, 64, 16, 16, "one-expert"),
+                ("f32", 16, 8, 16, 64, 32, 32, "random"), ("bf16", 33, 4, 8, 128, 64, 16, "skewed"),
+                ("f16", 3, 2, 4, 32, 32, 16, "random")]
+
+
+def _routing(rng, tokens: int, top_k: int, experts: int, kind: str) -> np.ndarray:
+    """Distinct experts per token: uniform; all tokens on the same experts (one expert spans many
+    tiles); or most tokens on a few experts and the rest spread (ragged groups)."""
+    if kind == "one-expert":
+        return np.tile(np.arange(top_k), (tokens, 1))
+    hot = rng.permutation(experts)[:top_k + 1]
+    rows = [rng.permutation(hot)[:top_k] if kind == "skewed" and rng.random() < 0.7 else rng.permutation(experts)[:top_k]
+            for _ in range(tokens)]
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_routed_experts(case, interpret, check):
+    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing = case
+    dtype = DTYPES[dtype]
+    rng = _rng("experts", case)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    experts = jnp.asarray(_routing(rng, tokens, top_k, num_experts, routing), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
+    gate_up = jnp.asarray(0.1 * rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
+    down = jnp.asarray(0.1 * rng.standard_normal((num_experts, width, hidden)), dtype)
+    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
+    check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
+
+
+def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles():
+    """Every pair in exactly one row, rows grouped by expert in tiles of one expert, padding -1,
+    tiles past the last expert's marked -1 (they stream nothing)."""
+    from pallas_kernels.routed_experts import expert_tiles
+    rng = _rng("tiles")
+    experts = jnp.asarray(_routing(rng, 37, 4, 10, "skewed"), jnp.int32)
+    rows, tile_expert = (np.asarray(a) for a in expert_tiles(experts, 10, 16))
+    assert sorted(rows[rows >= 0].tolist()) == list(range(37 * 4))
+    flat = np.asarray(experts).reshape(-1)
+    for tile, expert in enumerate(tile_expert):
+        held = rows[tile * 16:(tile + 1) * 16]
+        if expert < 0:
+            assert (held < 0).all()
+        else:
+            assert (flat[held[held >= 0]] == expert).all() and (held >= 0).any()
+    assert len(tile_expert) == -(-37 * 4 // 16) + 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,11 +566,19 @@ def _draft_shapes(batch=2, block=16, kv_heads=8, head_dim=128, **kw):
                                **kw), blk, blk, S((batch,), jnp.int32))
 
 
-def _write_shapes(batch=2, q_len=16, kv_heads=8, head_dim=128):
+def _write_shapes(batch=2, q_len=16, kv_heads=8, head_dim=128, rotary_dim=None):
+    """norm_rope_write's arguments less the norm weight: k, v, cos, sin, positions, pages, table."""
     kv = S((batch, q_len, kv_heads, head_dim), BF)
     pages = S((200, 16, kv_heads, head_dim), BF)
-    return (kv, kv, S((head_dim,), BF), S((batch, q_len), jnp.int32), pages, pages,
-            S((batch, 64), jnp.int32))
+    table = S((batch, q_len, (rotary_dim or head_dim) // 2), BF)
+    return (kv, kv, table, table, S((batch, q_len), jnp.int32), pages, pages, S((batch, 64), jnp.int32))
+
+
+def _without_norms(kernel, **static):
+    """``kernel`` with its norm weight(s) None (LLaMA's q and k are not normed)."""
+    if kernel is pk.norm_rope_write:
+        return lambda k, v, *rest: kernel(k, v, None, *rest, **static)
+    return lambda qkv, *rest: kernel(qkv, None, None, *rest, **static)
 
 
 LOWERINGS = {
@@ -509,13 +598,26 @@ LOWERINGS = {
                                        _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
     "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
                      {"pages_per_block": 1, "block_t": 16, "num_splits": 2, "pallas_merge": True}),
-    "norm_rope_write": (pk.norm_rope_write, _write_shapes(), {"eps": 1e-6, "theta": 1e6}),
+    "norm_rope_write": (pk.norm_rope_write, (*_write_shapes()[:2], S((128,), BF), *_write_shapes()[2:]),
+                        {"eps": 1e-6}),
+    "norm_rope_write_unnormed_partial": (_without_norms(pk.norm_rope_write, eps=1e-6),
+                                         _write_shapes(kv_heads=4, head_dim=256, rotary_dim=64), {}),
     "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
-                            (S((2, 16, 48 * 128), BF), S((128,), BF), *_write_shapes()[2:]),
-                            {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
+                            (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF), *_write_shapes()[2:]),
+                            {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6}),
+    "qkv_norm_rope_write_unnormed": (_without_norms(pk.qkv_norm_rope_write, num_heads=32, num_kv_heads=8, eps=1e-6),
+                                     (S((2, 16, 48 * 128), BF), *_write_shapes()[2:]), {}),
     "qkv_norm_rope": (pk.qkv_norm_rope, (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF),
-                                         S((2, 16), jnp.int32)),
-                      {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6, "theta": 1e6}),
+                                         S((2, 16, 64), BF), S((2, 16, 64), BF)),
+                      {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6}),
+    "qkv_norm_rope_partial_head_dim_256": (pk.qkv_norm_rope, (S((2, 16, 32 * 256), BF), S((256,), BF), S((256,), BF),
+                                                              S((2, 16, 32), BF), S((2, 16, 32), BF)),
+                                           {"num_heads": 24, "num_kv_heads": 4, "eps": 1e-6}),
+    "routed_experts_decode": (pk.routed_experts, (S((1, 2048), BF), S((1, 8), jnp.int32), S((1, 8), BF),
+                                                  S((128, 2048, 1536), BF), S((128, 768, 2048), BF)), {}),
+    "routed_experts_verify_f32": (pk.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
+                                                      S((16, 4), jnp.float32), S((8, 256, 128), jnp.float32),
+                                                      S((8, 64, 256), jnp.float32)), {"block_m": 32}),
     "combine_splits": (pk.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
@@ -744,19 +846,29 @@ def test_rejects_bad_tuning_and_block_shapes():
     shapes[5] = S((2, 8, 8, 128), BF)
     with pytest.raises(ValueError, match="block_k"):
         jax.eval_shape(pk.paged_draft_attention, *shapes)
+    weight = S((128,), BF)
+    cos, sin, positions, *pages = _write_shapes()[2:]
     with pytest.raises(ValueError, match="block_rows"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope, num_heads=32, num_kv_heads=8, eps=1e-6, theta=1e6,
-                                         block_rows=48),
-                       S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF), S((2, 16), jnp.int32))
-    shapes = list(_write_shapes())
-    shapes[4] = S((200, 16, 4, 128), BF)
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope, num_heads=32, num_kv_heads=8, eps=1e-6, block_rows=48),
+                       S((2, 16, 48 * 128), BF), weight, weight, cos, sin)
+    k, v = _write_shapes()[:2]
     with pytest.raises(ValueError, match="k_pages"):
-        jax.eval_shape(functools.partial(pk.norm_rope_write, eps=1e-6, theta=1e6), *shapes)
-    qkv_kw = dict(num_heads=32, num_kv_heads=8, eps=1e-6, theta=1e6)
-    weight, positions, *pages = _write_shapes()[2:]
+        jax.eval_shape(functools.partial(pk.norm_rope_write, eps=1e-6), k, v, weight, cos, sin, positions,
+                       S((200, 16, 4, 128), BF), pages[1], pages[2])
+    qkv_kw = dict(num_heads=32, num_kv_heads=8, eps=1e-6)
     with pytest.raises(ValueError, match="qkv must be"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 47 * 128), BF),
-                       weight, weight, positions, *pages)
+                       weight, weight, cos, sin, positions, *pages)
+    # rotary tables: [B, T, R/2] with R/2 a power of two dividing head_dim / 2
+    for table, match in [(S((2, 16, 48), BF), "power of two dividing head_dim / 2 = 64"),
+                         (S((2, 16, 128), BF), "power of two dividing head_dim / 2 = 64"),
+                         (S((2, 15, 64), BF), r"cos and sin must be \[batch, T, rotary_dim / 2\]")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF), weight, weight,
+                           table, table)
+    with pytest.raises(ValueError, match="both be given or both be None"):
+        jax.eval_shape(lambda *a: pk.qkv_norm_rope(a[0], a[1], None, *a[2:], **qkv_kw), S((2, 16, 48 * 128), BF),
+                       weight, cos, sin)
     for match, x, w, kw in [("K", S((1, 100), BF), S((100, 64), BF), {}),
                             ("w", S((1, 64), BF), S((32, 64), BF), {}),
                             ("dtype", S((1, 64), BF), S((64, 64), jnp.float32), {}),
@@ -768,13 +880,13 @@ def test_rejects_bad_tuning_and_block_shapes():
             jax.eval_shape(functools.partial(pk.fused_matmul, **kw), x, w)
     with pytest.raises(ValueError, match="k_norm_weight"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
-                       weight, S((64,), BF), positions, *pages)
+                       weight, S((64,), BF), cos, sin, positions, *pages)
     with pytest.raises(ValueError, match="qkv must be"):
         jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 47 * 128), BF),
-                       weight, weight, positions)
+                       weight, weight, cos, sin)
     with pytest.raises(ValueError, match="positions"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF),
-                       weight, weight, S((2, 15), jnp.int32))
+        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
+                       weight, weight, cos, sin, S((2, 15), jnp.int32), *pages)
 
 
 def test_rejects_launch_settings_and_empty_inputs_by_name():
@@ -813,9 +925,10 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
     with pytest.raises(ValueError, match="exceed the .* shared memory"):
         jax.eval_shape(pk.paged_draft_attention, f32((1, 128, 4, 256)), f32((8, 16, 1, 256)), f32((8, 16, 1, 256)),
                        f32((1, 4), jnp.int32), f32((1,), jnp.int32), f32((1, 128, 1, 256)), f32((1, 128, 1, 256)))
-    write = functools.partial(pk.norm_rope_write, eps=1e-6, theta=1e6)
+    write = functools.partial(pk.norm_rope_write, eps=1e-6)
+    k, v, *rest = _write_shapes()
     with pytest.raises(ValueError, match="num_warps"):
-        jax.eval_shape(functools.partial(write, num_warps=3), *_write_shapes())
+        jax.eval_shape(functools.partial(write, num_warps=3), k, v, S((128,), BF), *rest)
     for kw, match in [({"num_warps": 6}, "num_warps"), ({"block_m": 24}, "block_m must be a power of two"),
                       ({"block_n": 0}, "block_n must be >= 1"), ({"num_splits": 0}, "num_splits must be >= 1")]:
         with pytest.raises(ValueError, match=match):
@@ -837,6 +950,19 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
                        S((2, 1024), jnp.float32), S((1024, 256), jnp.float32))
     # a given num_splits picks a K tile whose steps it divides (256 would leave one step for 2)
     jax.eval_shape(functools.partial(pk.fused_matmul, num_splits=2), S((2, 256), BF), S((256, 64), BF))
+    moe = (S((4, 64), BF), S((4, 2), jnp.int32), S((4, 2), BF), S((8, 64, 64), BF), S((8, 32, 64), BF))
+    for changed, kw, match in [((), {"block_m": 8}, "block_m must be a power of two >= 16"),
+                               ((), {"block_n": 24}, "block_n 24 must divide 32"),
+                               ((), {"num_warps": 3}, "num_warps"),
+                               ({4: S((8, 32, 48), BF)}, {}, r"must be \[E, H, 2I\] and \[E, I, H\]"),
+                               ({1: S((4, 2), jnp.float32)}, {}, "integer expert ids"),
+                               ({2: S((4, 3), BF)}, {}, r"experts and weights must be \[N, k\]"),
+                               ({3: S((8, 64, 64), jnp.float32)}, {}, "share a float32/bfloat16/float16 dtype"),
+                               ({0: S((4, 40), BF), 3: S((8, 40, 64), BF), 4: S((8, 32, 40), BF)}, {},
+                                "multiples of 16")]:
+        shapes = [changed.get(i, shape) for i, shape in enumerate(moe)] if changed else moe
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.routed_experts, **kw), *shapes)
 
 
 def test_write_pages_drops_page_ids_outside_the_pool():

@@ -9,20 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.config import DraftConfig, ModelConfig, uniform_config
 from dflash_jax.generate import generate
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
 
-TARGET = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
-                     num_kv_heads=2, head_dim=16)
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16)
+TARGET = uniform_config(num_layers=3, **SHAPE)
 # One sliding-window causal draft layer (the reference's default for sliding layers), one full.
-DRAFT = DraftConfig(model=dataclasses.replace(TARGET, num_layers=2, sliding_window=6,
-                                              layer_types=("sliding_attention", "full_attention")),
+DRAFT = DraftConfig(model=uniform_config(num_layers=2, sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+                                         **SHAPE),
                     block_size=8, mask_token_id=95, target_layer_ids=(0, 2), causal_layers=(True, False))
 # A target whose sliding layers see 8 tokens, far fewer than its prompts and outputs reach.
-SLIDING_TARGET = dataclasses.replace(TARGET, sliding_window=8,
-                                     layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+SLIDING_TARGET = uniform_config(num_layers=3, sliding_window=8,
+                                layer_types=("sliding_attention", "full_attention", "sliding_attention"), **SHAPE)
 
 
 def _models(target_config: ModelConfig, draft_config: DraftConfig, seed: int) -> tuple[Target, Draft]:
@@ -55,7 +55,7 @@ def test_kernels_match_reference_end_to_end(target_config):
 
 def test_kernel_shape_limits_raise_before_compiling(models):
     target, _ = models
-    odd = Target(dataclasses.replace(TARGET, head_dim=48), target.params)
+    odd = Target(uniform_config(num_layers=3, **{**SHAPE, "head_dim": 48}), target.params)
     with pytest.raises(ValueError, match="head_dim 48 .needs a power of two.*impl='reference'"):
         generate(odd, [[1, 2, 3]], impl="interpret", max_new_tokens=2)
     with pytest.raises(ValueError, match="page_size 4096 .one KV stage.*take a smaller page_size"):
@@ -64,9 +64,10 @@ def test_kernel_shape_limits_raise_before_compiling(models):
 
 def test_gqa_group_that_is_not_a_power_of_two():
     """Qwen3-14B has 40 query heads over 8 KV heads: the kernels pad the group of 5 to 8."""
-    target, draft = _models(dataclasses.replace(TARGET, num_heads=6, num_kv_heads=2),
-                            dataclasses.replace(DRAFT, model=dataclasses.replace(DRAFT.model, num_heads=6,
-                                                                                 num_kv_heads=2)), 2)
+    shape = {**SHAPE, "num_heads": 6, "num_kv_heads": 2}
+    draft_model = uniform_config(num_layers=2, sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+                                 **shape)
+    target, draft = _models(uniform_config(num_layers=3, **shape), dataclasses.replace(DRAFT, model=draft_model), 2)
     prompts, kwargs = [[3, 1, 4, 1, 5], list(range(20, 41))], dict(max_new_tokens=12, stop_token_ids=None)
     plain = generate(target, prompts, impl="reference", **kwargs)
     spec_kernels = generate(target, prompts, draft=draft, impl="interpret", **kwargs)
@@ -78,7 +79,7 @@ def test_gqa_group_that_is_not_a_power_of_two():
 def test_dispatch_point(monkeypatch):
     """auto: the kernels AUTO_KERNELS lists, where the device can run them; pallas there only,
     with the reason elsewhere; interpret runs anywhere; anything else is refused."""
-    from dflash_jax.attention import AUTO_KERNELS, resolve_impl
+    from dflash_jax.ops import AUTO_KERNELS, resolve_impl
     from pallas_kernels import tuning
     able = tuning.kernel_device_problem() is None
     if jax.default_backend() == "cpu":  # CI

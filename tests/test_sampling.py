@@ -217,20 +217,24 @@ SAMPLES = 8192
 TINY = dict(target_seed=5, draft_seed=4, prior=2.0, context=0.2)   # first draft accepted ~35-60%
 
 
-def tiny_models(target_seed, draft_seed, prior, context):
-    """Tiny target (V 16, 2 layers) and 1-layer block-4 draft. Target and draft share a "unigram
-    prior" (a constant hidden dim that only the LM head's column ``prior`` reads) on top of
-    context-dependent logits scaled by ``context``, so drafts are accepted part of the time:
-    both the accept path and the residual path carry weight in the tested distribution."""
+def tiny_models(target_seed, draft_seed, prior, context, **family):
+    """Tiny target (V 16, 2 layers; ``family`` picks another than Qwen3) and 1-layer block-4
+    draft. Target and draft share a "unigram prior" (a constant hidden dim that only the LM
+    head's column ``prior`` reads) on top of context-dependent logits scaled by ``context``, so
+    drafts are accepted part of the time: both the accept path and the residual path carry
+    weight in the tested distribution."""
     hf_target = make_target(seed=target_seed, std=0.35, embed_std=1.0, vocab=VOCAB, hidden=32, layers=2, heads=4,
-                            kv_heads=2, head_dim=8, rope_theta=1e4)
+                            kv_heads=2, head_dim=8, rope_theta=1e4, **family)
     hf_draft = make_zlab_draft(hf_target, layers=1, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=(0, 1),
                                heads=4, kv_heads=2, head_dim=8, seed=draft_seed, std=0.35)
     with torch.no_grad():
         hf_target.model.embed_tokens.weight[:, 0] = 2.0
         for layer in hf_target.model.layers:
             layer.self_attn.o_proj.weight[0].zero_()
-            layer.mlp.down_proj.weight[0].zero_()
+            if hasattr(layer.mlp, "experts"):   # every expert's output row 0
+                layer.mlp.experts.down_proj[:, 0].zero_()
+            else:
+                layer.mlp.down_proj.weight[0].zero_()
         head = hf_target.lm_head.weight
         head[:, 1:] *= context
         head[:, 0] = torch.tensor(prior * np.random.default_rng(target_seed + 2).standard_normal(VOCAB),
@@ -247,14 +251,24 @@ def target_logits_after(hf_target, prompt):
     return prefixes, logits
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_sampling")
-    hf_target, hf_draft = tiny_models(**TINY)
+def _tiny_fixture(root, **family):
+    hf_target, hf_draft = tiny_models(**TINY, **family)
     target = load_target(save_target(hf_target, root / "target"), "float32")
     draft = load_draft(save_draft(hf_draft, root / "draft"), target, "float32")
     prefixes, logits = target_logits_after(hf_target, PROMPT)
     return target, draft, prefixes, logits, hf_target, hf_draft
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny_fixture(tmp_path_factory.mktemp("tiny_sampling"))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """The same on a Qwen3-MoE target: 4 experts, top 2, every layer."""
+    return _tiny_fixture(tmp_path_factory.mktemp("tiny_moe_sampling"), family="qwen3_moe", experts=4, top_k=2,
+                         expert_width=16)
 
 
 def _exact(logits, prefixes, temperature, top_p, top_k):
@@ -382,6 +396,17 @@ def test_speculative_sampling_at_block_2_is_exact_in_distribution(tiny):
     tokens, out = _sample(tiny, config, seed=15, block_size=2)
     assert np.mean([length == 2 for seq in out.stats.accept_lengths for length in seq]) > 0.2
     _assert_exact(_pvalues(tokens, joint3, t4), "block 2")
+
+
+@pytest.mark.parametrize("name", ["t1.0", "t0.8-top_k5-top_p0.9"])
+def test_speculative_sampling_on_a_moe_target_is_exact_in_distribution(tiny_moe, name):
+    config = SAMPLING_CASES[name]
+    assert tiny_moe[0].config.family == "qwen3_moe"
+    joint3, t4 = _exact(tiny_moe[3], tiny_moe[2], config.temperature, config.top_p, config.top_k)
+    tokens, out = _sample(tiny_moe, config, seed=21)
+    first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
+    assert 0.1 < (first_step >= 2).mean() < 0.9
+    _assert_exact(_pvalues(tokens, joint3, t4), f"MoE {name}")
 
 
 def test_plain_sampling_is_exact_in_distribution(tiny):

@@ -1,4 +1,6 @@
-"""Qwen3 target vs transformers.Qwen3ForCausalLM on the same tiny random weights.
+"""Targets of every family vs transformers (Qwen3ForCausalLM, LlamaForCausalLM with llama3 RoPE
+scaling and biases, Qwen3MoeForCausalLM with dense and sparse layers) on the same tiny random
+weights.
 
 Each config is written with ``save_pretrained`` (config.json optionally rewritten in older
 styles) and loaded with ``dflash_jax.models.load_target``. Logits of a ragged, right-padded
@@ -37,6 +39,21 @@ CONFIGS = {
     "sliding-window": (dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=6),
                        dict()),
+    # LLaMA-3.1 style: no q/k norms, llama3 scaling that moves the phases (builders.LLAMA3_TEST_ROPE),
+    # GQA 2, untied, written as the release does (rope_theta + rope_scaling)
+    "llama3-scaled": (dict(family="llama", vocab=96, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16),
+                      dict(rope_style="scaling")),
+    # LLaMA with attention and MLP biases, tied, plain RoPE, head_dim hidden // heads
+    "llama-biases-tied": (dict(family="llama", vocab=64, hidden=32, layers=2, heads=2, kv_heads=2, tie=True,
+                               bias=True, rope={"rope_type": "default", "rope_theta": 5e5}), dict()),
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers), layers 1 and 3 sparse (decoder_sparse_step 2),
+    # 8 experts, top 2, renormalised
+    "moe-mixed": (dict(family="qwen3_moe", vocab=96, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16,
+                       experts=8, top_k=2, expert_width=32, sparse_step=2, mlp_only_layers=(0,), rope_theta=1e4),
+                  dict()),
+    # Qwen3-MoE: every layer sparse, top 3 of 6, routing weights not renormalised
+    "moe-unnormalised": (dict(family="qwen3_moe", vocab=64, hidden=32, layers=2, heads=4, kv_heads=1, head_dim=16,
+                              experts=6, top_k=3, expert_width=16, norm_topk_prob=False, rope_theta=1e6), dict()),
 }
 
 PROMPT_LENS = (13, 5, 9)   # ragged batch, right-padded to PADDED
@@ -88,7 +105,7 @@ def _run_ours(target, prompts, extra, *, permuted: bool):
     num_pages = sum(-(-n // PAGE_SIZE) for n in need) + 4
     rng = np.random.default_rng(7) if permuted else None
     table, num_pages = allocate_pages(need, PAGE_SIZE, num_pages, rng=rng)
-    cache = init_cache([(config, config.num_layers)], table, num_pages, PAGE_SIZE, jnp.float32,
+    cache = init_cache(config, None, table, num_pages, PAGE_SIZE, jnp.float32,
                        fill=float("nan") if permuted else 0.0)
     taps_ids = tuple(range(config.num_layers))
     tokens = np.zeros((batch, PADDED), np.int32)
@@ -139,14 +156,19 @@ def _check_against_hf(case, config, results):
 
 
 def test_config_parsed_like_hf(case, loaded):
+    from dflash_jax.nn.moe import MoESpec
     hf = case["hf"].config
     config = loaded.config
+    assert config.family == case["arch"].get("family", "qwen3")
     assert config.head_dim == hf.head_dim
     assert config.num_kv_heads == hf.num_key_value_heads
     assert config.rope_theta == hf.rope_parameters["rope_theta"]
+    assert config.rope.kind == hf.rope_parameters["rope_type"]
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert (loaded.params.lm_head is None) == bool(hf.tie_word_embeddings)
-    assert config.layer_types == tuple(hf.layer_types)
+    assert config.layer_types == tuple(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    sparse = [isinstance(layer.ffn, MoESpec) for layer in config.layers]
+    assert sparse == [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in case["hf"].model.layers]
 
 
 def test_logits_and_taps_match_hf_contiguous_pages(case, loaded):
@@ -182,24 +204,48 @@ def test_greedy_generate_matches_hf_generate(case, loaded):
     assert all(set(a) == {1} and len(a) == max_new - 1 for a in ours.stats.accept_lengths)
 
 
+ROUTER_TIE = 1e-2  # a top-k margin bf16's rounding of the router input can cross
+
+
+def _router_near_ties(hf, sequence: list[int], top_k: int) -> set[int]:
+    """Positions where some layer's f32 router ranks its k-th and (k+1)-th experts within
+    ROUTER_TIE of each other: in bf16 either may be chosen, and the output jumps (a different
+    expert), as transformers' own bf16 run does."""
+    with torch.no_grad():
+        router_logits = hf(torch.tensor([sequence]), output_router_logits=True).router_logits
+    ties = set()
+    for logits in router_logits:
+        probs = torch.sort(torch.softmax(logits.float(), dim=-1), dim=-1, descending=True).values
+        ties |= set(torch.nonzero(probs[:, top_k - 1] - probs[:, top_k] < ROUTER_TIE)[:, 0].tolist())
+    return ties
+
+
 def test_bf16_params_within_bf16_tolerance(case):
     target = load_target(case["path"], "bfloat16")
     assert target.params.embed.dtype == jnp.bfloat16
     results = _run_ours(target, case["prompts"], case["extra"], permuted=False)
+    excused = 0
     for b, n in enumerate(PROMPT_LENS):
+        sequence = case["prompts"][b] + case["extra"][b].tolist()
+        ties = _router_near_ties(case["hf"], sequence, case["arch"]["top_k"]) if "top_k" in case["arch"] else set()
         for phase, positions in _phase_positions(n):
             positions = list(positions)
             ours = results[phase][0][b, :len(positions)].astype(np.float64)
             ref = case["hf_logits"][b][positions].astype(np.float64)
             assert np.isfinite(ours).all()
-            err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
-            assert err < 2e-2, f"{case['name']} seq {b} phase {phase}: relative error {err:.3g}"
+            for i, position in enumerate(positions):
+                err = np.linalg.norm(ours[i] - ref[i]) / np.linalg.norm(ref[i])
+                if position in ties:
+                    excused += err >= 2e-2
+                    continue
+                assert err < 2e-2, f"{case['name']} seq {b} position {position}: relative error {err:.3g}"
+    assert excused <= 2, "more than a stray router near-tie"
 
 
 @pytest.mark.parametrize("theta,head_dim", [(1e6, 128), (1e4, 64), (5e5, 128)])
 def test_rope_frequencies_round_as_transformers(theta, head_dim):
     """The inverse frequencies are HF's f32 ones (a 1-ulp difference grows with the position:
     4e-3 of phase at 32k), all but at most one whose f32 pow torch rounds the other way."""
-    from pallas_kernels.norm_rope import _inv_freq
+    from dflash_jax.nn.rope import RopeSpec
     hf = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    assert int((np.asarray(_inv_freq(head_dim, theta)) != hf.numpy()).sum()) <= 1
+    assert int((RopeSpec(theta=theta, rotary_dim=head_dim).inv_freq() != hf.numpy()).sum()) <= 1

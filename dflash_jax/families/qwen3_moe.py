@@ -1,0 +1,73 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, 235B-A22B): Qwen3
+attention, and a routed-expert block in place of the MLP on the layers ``decoder_sparse_step``
+and ``mlp_only_layers`` select."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.config import LayerSpec, ModelConfig
+from dflash_jax.families import hf_decoder
+from dflash_jax.hf_json import ConfigError, field, int_list
+from dflash_jax.nn.mlp import MLPSpec
+from dflash_jax.nn.moe import MoESpec
+
+# transformers' Qwen3MoeConfig defaults for absent fields
+MAX_POSITION_DEFAULT = 32768
+
+
+def _moe_spec(raw: dict, where: str) -> MoESpec:
+    """The experts' fields are required: a MoE config without them is not one this library can trust
+    (transformers would fill in Qwen3-30B-A3B's 128 x 768 and fail on the weights)."""
+    experts_field = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    if raw.get(experts_field) is None:
+        raise ConfigError(f"{where}: required field 'num_experts' (or num_local_experts) is missing "
+                          "(a MoE config names its expert count)")
+    return MoESpec(num_experts=field(raw, experts_field, where, int),
+                   top_k=field(raw, "num_experts_per_tok", where, int),
+                   intermediate_size=field(raw, "moe_intermediate_size", where, int),
+                   norm_topk_prob=field(raw, "norm_topk_prob", where, bool, False))
+
+
+def parse(raw: dict, where: str) -> ModelConfig:
+    hf_decoder.check_runnable(raw, where)
+    layers = hf_decoder.num_layers(raw, where)
+    # Qwen3MoeConfig: 4 KV heads when the field is absent, head_dim hidden // heads
+    attention = hf_decoder.attention(raw, where, head_dim_default=None, kv_heads_absent=4, qk_norm=True,
+                                     max_position_default=MAX_POSITION_DEFAULT)
+    window = None  # every layer slides under use_sliding_window (4096 when the field is absent)
+    if field(raw, "use_sliding_window", where, bool, False):
+        window = field(raw, "sliding_window", where, int, None) if "sliding_window" in raw else 4096
+    attention = dataclasses.replace(attention, sliding_window=window)
+    moe = _moe_spec(raw, where)
+    step = field(raw, "decoder_sparse_step", where, int, 1)
+    if step < 1:
+        raise ConfigError(f"{where}: decoder_sparse_step must be >= 1, got {step}")
+    dense_only = set(int_list(raw, "mlp_only_layers", where, ()))
+    outside = sorted(i for i in dense_only if not 0 <= i < layers)
+    if outside:
+        raise ConfigError(f"{where}: mlp_only_layers {outside} are outside the {layers} layers")
+    sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+    mlp = MLPSpec(field(raw, "intermediate_size", where, int)) if not all(sparse) else None
+    kind = "full_attention" if window is None else "sliding_attention"
+    specs = tuple(LayerSpec(attention, moe if is_sparse else mlp, kind) for is_sparse in sparse)
+    return ModelConfig(family="qwen3_moe", layers=specs,
+                       **hf_decoder.decoder_fields(raw, where, max_position_default=MAX_POSITION_DEFAULT))
+
+
+def export_fields(config: ModelConfig) -> dict:
+    sparse = [i for i, layer in enumerate(config.layers) if isinstance(layer.ffn, MoESpec)]
+    if not sparse:
+        raise ConfigError("a qwen3_moe config needs at least one MoE layer")
+    moe = config.layers[sparse[0]].ffn
+    if any(config.layers[i].ffn != moe for i in sparse):
+        raise ConfigError("the MoE layers differ: Qwen3MoeConfig holds one expert spec")
+    dense = [i for i in range(config.num_layers) if i not in sparse]
+    fields = {**hf_decoder.export_fields(config, "qwen3_moe", "Qwen3MoeForCausalLM"),
+              "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+              "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
+              "decoder_sparse_step": 1, "mlp_only_layers": dense,
+              "use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window}
+    if dense:
+        fields["intermediate_size"] = config.intermediate_size
+    return fields

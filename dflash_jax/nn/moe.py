@@ -1,0 +1,73 @@
+"""The mixture-of-experts feed-forward block (Qwen3-MoE): a softmax router picks ``top_k`` of
+``num_experts`` SwiGLU experts per token, whose outputs are summed with the router's weights.
+The experts run as a grouped matmul over (token, expert) pairs sorted by expert (``ops``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax import ops
+from dflash_jax.hf_json import ConfigError
+from pallas_kernels import rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """``num_experts`` experts of width ``intermediate_size`` (HF ``moe_intermediate_size``),
+    ``top_k`` per token (``num_experts_per_tok``). Routing: softmax over all experts in f32,
+    the top k, renormalised to sum 1 when ``norm_topk_prob``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+
+    def __post_init__(self):
+        if self.num_experts < 1 or self.intermediate_size < 1:
+            raise ConfigError(f"a MoE layer needs num_experts and moe_intermediate_size >= 1, got "
+                              f"{self.num_experts} and {self.intermediate_size}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+
+
+@struct.dataclass
+class MoEParams:
+    """H hidden, E experts, I expert width; each expert's gate | up fused as in ``MLPParams``,
+    the experts stacked on a leading axis (HF stores one tensor per expert)."""
+
+    router: jax.Array          # [H, E]
+    gate_up_proj: jax.Array    # [E, H, 2*I]
+    down_proj: jax.Array       # [E, I, H]
+
+
+def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> MoEParams:
+    """Random weights (normal(0, scale)): for tests and benchmarks."""
+    e, i = spec.num_experts, spec.intermediate_size
+    keys = jax.random.split(key, 3)
+    normal = lambda k, shape: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    return MoEParams(router=normal(keys[0], (hidden, e)), gate_up_proj=normal(keys[1], (e, hidden, 2 * i)),
+                     down_proj=normal(keys[2], (e, i, hidden)))
+
+
+def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
+    """(experts [N, k] int32, weights [N, k] in h's dtype) of tokens h [N, H], as transformers'
+    router: logits in h's dtype, softmax in f32, top k, renormalised when ``norm_topk_prob``."""
+    logits = h @ router
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, spec.top_k)
+    if spec.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights.astype(h.dtype)
+
+
+def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Array, eps: float,
+            impl: str) -> jax.Array:
+    """x + the routed experts' weighted sum of rms_norm(x): x [B, T, H]."""
+    h = rms_norm(x, norm_weight, eps).reshape(-1, x.shape[-1])
+    experts, weights = route(h, params.router, spec)
+    y = ops.routed_experts(h, experts, weights, params.gate_up_proj, params.down_proj, impl=impl)
+    return x + y.reshape(x.shape).astype(x.dtype)

@@ -1,0 +1,185 @@
+"""The one place that chooses between Pallas kernels and their plain-jnp references.
+
+Every operation that has a kernel goes through here: the paged attention of targets and drafts,
+the norm + RoPE (+ page write) of q/k/v, the projections, the routed MoE experts.
+
+``impl`` is a static choice threaded through every forward:
+- ``"auto"``: on an NVIDIA GPU of compute capability >= 8.0, the kernels that beat XLA there
+  (``AUTO_KERNELS``); references elsewhere (CPU, ROCm, older GPUs);
+- ``"reference"``: plain jnp everywhere;
+- ``"pallas"``: every kernel, compiled (such a GPU only; a clear error elsewhere);
+- ``"interpret"``: every kernel in Pallas interpret mode (any backend; slow, for tests).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pallas_kernels as pk
+from pallas_kernels import tuning as pk_tuning
+from pallas_kernels.verify_attention import padded_group
+
+AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
+IMPLS = ("auto", "reference", "pallas", "interpret")
+
+
+# What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
+# attention kernels beat XLA and cuDNN at every size (H100 and H200). The norm+RoPE kernels that
+# write pages (the draft's context K/V, and a target layer's whole attention input in one launch,
+# qkv_norm_rope_write) beat XLA's fusions since their rotary tables come precomputed (H200,
+# 2026-11-22, bs-1 decode 4.61-4.70 vs 4.79-4.88 ms, bs-1 DFlash step 5.90-5.93 vs 6.10-6.21; with
+# the trigonometry in the kernel they had lost). The draft block's qkv_norm_rope is level with XLA
+# (H200, 2026-11-22, bs-1 DFlash step 5.76-5.81 vs 5.77-5.79 ms), and the projection kernel with
+# its norm/gate/residual fused loses (H100, 2026-11-22: bs-8 decode 7.02 vs 6.48 ms, bs-1 DFlash
+# step 8.97 vs 8.29), so auto keeps XLA for both. The routed-experts kernel reads only the routed
+# experts where XLA's ragged_dot reads them all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token
+# 45 vs 307 µs, 16 tokens 208 vs 414, 512 tokens 391 vs 7124). "pallas" forces every kernel.
+# benchmarks/ab_kernels.py re-measures one op on vs off.
+AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
+                "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": False,
+                "routed_experts": True}
+
+
+def resolve_impl(impl: AttentionImpl, op: str) -> str:
+    """Turn ``auto`` into a concrete choice for ``op`` and reject combinations that cannot run."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if AUTO_KERNELS[op] and pk_tuning.kernel_device_problem() is None else "reference"
+    if impl == "pallas" and (problem := pk_tuning.kernel_device_problem()) is not None:
+        raise ValueError(f"attention impl 'pallas' cannot run here: {problem}; use 'reference' "
+                         "(or 'interpret', the kernels interpreted, slow)")
+    return impl
+
+
+def _kernel_kwargs(impl: str) -> dict:
+    return {"interpret": impl == "interpret"}
+
+
+def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, impl):
+    """Causal attention of new tokens (already written to the pages) at start[b] + t."""
+    impl = resolve_impl(impl, "verify_attention")
+    if impl == "reference":
+        return pk.paged_verify_attention_reference(q, k_pages, v_pages, page_table, start,
+                                                   sliding_window=sliding_window)
+    return pk.paged_verify_attention(q, k_pages, v_pages, page_table, start,
+                                     sliding_window=sliding_window, **_kernel_kwargs(impl))
+
+
+def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v, block_lens, *,
+                    sliding_window, causal, impl):
+    """Draft block attention over paged context K/V plus the block's own K/V."""
+    impl = resolve_impl(impl, "draft_attention")
+    if impl == "reference":
+        return pk.paged_draft_attention_reference(q, k_pages, v_pages, page_table, context_lens,
+                                                  block_k, block_v, block_lens,
+                                                  sliding_window=sliding_window, causal=causal)
+    return pk.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
+                                    block_lens, sliding_window=sliding_window, causal=causal,
+                                    **_kernel_kwargs(impl))
+
+
+def qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, *, num_heads, num_kv_heads, eps, impl):
+    """The draft block's attention input from its fused projection qkv [B, T, (Hq + 2 Hkv) * D]
+    and rotary tables cos, sin [B, T, R/2]: (norm_rope(q) [B, T, Hq, D], norm_rope(k) [B, T, Hkv,
+    D], v [B, T, Hkv, D]); norms of None are skipped."""
+    impl = resolve_impl(impl, "qkv_norm_rope")
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+    if impl == "reference":
+        return pk.qkv_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, **kw)
+    return pk.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, **_kernel_kwargs(impl))
+
+
+def write_kv(k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *, eps, impl):
+    """Store norm_rope(k) and v at ``positions`` [B, T]; returns the updated (k_pages, v_pages)."""
+    impl = resolve_impl(impl, "write_kv")
+    args = (k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table)
+    if impl == "reference":
+        return pk.norm_rope_write_reference(*args, eps=eps)
+    return pk.norm_rope_write(*args, eps=eps, **_kernel_kwargs(impl))
+
+
+def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *, num_heads,
+                        num_kv_heads, eps, impl):
+    """A target layer's attention input from its fused projection qkv [B, T, (Hq + 2 Hkv) * D]:
+    returns (norm_rope(q) [B, T, Hq, D], k_pages, v_pages with norm_rope(k) and v stored)."""
+    impl = resolve_impl(impl, "qkv_norm_rope_write")
+    args = (qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pages, page_table)
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+    if impl == "reference":
+        return pk.qkv_norm_rope_write_reference(*args, **kw)
+    return pk.qkv_norm_rope_write(*args, **kw, **_kernel_kwargs(impl))
+
+
+def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residual=None, impl):
+    """A projection with its glue: [rms_norm(x)] @ w [+ bias] [-> silu(gate) * up] [+ residual].
+    The kernel has no bias: with one, it computes the product and the glue runs after it."""
+    impl = resolve_impl(impl, "fused_matmul")
+    if impl == "reference":
+        return pk.fused_matmul_reference(x, w, norm_weight=norm_weight, eps=eps, bias=bias, gated=gated,
+                                         residual=residual)
+    if bias is None:
+        return pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual,
+                               **_kernel_kwargs(impl))
+    y = pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
+    return pk.finish_projection(y + bias.astype(y.dtype), residual, gated, x.dtype)
+
+
+def routed_experts(x, experts, weights, gate_up, down, *, impl):
+    """Each token's routed SwiGLU experts, weighted and summed: x [N, H], experts and weights
+    [N, k], gate_up [E, H, 2I], down [E, I, H] -> [N, H]."""
+    impl = resolve_impl(impl, "routed_experts")
+    if impl == "reference":
+        return pk.routed_experts_reference(x, experts, weights, gate_up, down)
+    return pk.routed_experts(x, experts, weights, gate_up, down, **_kernel_kwargs(impl))
+
+
+def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int, itemsize: int) -> None:
+    """Raise before compiling when the kernels ``impl`` selects cannot run these models
+    (ModelConfigs) in a dtype of ``itemsize`` bytes: the attention kernels need a power-of-two
+    head_dim >= 16 and page size, block <= 128, and one page of K/V beside the draft block in
+    shared memory; the norm+RoPE kernels rotary tables of a power-of-two width; the projection
+    kernel widths that are multiples of 16."""
+    power_of_two = pk_tuning.is_power_of_2
+    specs = sorted({layer.mixer for config in configs for layer in config.layers}, key=repr)
+    problems = []
+    if resolve_impl(impl, "verify_attention") != "reference":
+        for head_dim in sorted({spec.head_dim for spec in specs}):
+            if not (power_of_two(head_dim) and head_dim >= 16):
+                problems.append(f"head_dim {head_dim} (needs a power of two >= 16)")
+        if not power_of_two(page_size):
+            problems.append(f"page_size {page_size} (needs a power of two)")
+        if block_size > 128:
+            problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
+        if not problems:
+            for spec in specs:  # the draft kernel's shared memory (the largest of the attention kernels')
+                try:
+                    pk_tuning.attention_blocks(
+                        q_len=block_size, group=padded_group(spec.num_heads, spec.num_kv_heads),
+                        head_dim=spec.head_dim, page_size=page_size, pages_per_seq=1, batch=1,
+                        kv_heads=spec.num_kv_heads, itemsize=itemsize,
+                        extra_smem_bytes=2 * block_size * spec.head_dim * itemsize)
+                except ValueError as error:
+                    problems.append(f"page_size {page_size} ({error})")
+                    break
+    if any(resolve_impl(impl, op) != "reference" for op in ("write_kv", "qkv_norm_rope_write", "qkv_norm_rope")):
+        for spec in specs:
+            width = spec.rope.rotary_dim // 2
+            if not (power_of_two(width) and (spec.head_dim // 2) % width == 0):
+                problems.append(f"rotary dimension {spec.rope.rotary_dim} of head_dim {spec.head_dim} (the norm+RoPE "
+                                "kernels need half of it to be a power of two dividing head_dim / 2)")
+    if resolve_impl(impl, "fused_matmul") != "reference":
+        from dflash_jax.nn.mlp import MLPSpec  # here: nn.mlp itself calls into this module
+
+        widths = {}
+        for config in configs:
+            widths[f"hidden_size {config.hidden_size}"] = config.hidden_size
+            for layer in config.layers:
+                widths[f"num_heads * head_dim {layer.mixer.q_size}"] = layer.mixer.q_size
+                if isinstance(layer.ffn, MLPSpec):  # routed experts do not use this kernel
+                    widths[f"intermediate_size {layer.ffn.intermediate_size}"] = layer.ffn.intermediate_size
+        problems += [f"{name} (the projection kernel needs a multiple of 16)"
+                     for name, value in widths.items() if value % 16]
+    if problems:
+        raise ValueError(f"the Pallas kernels (impl={impl!r}) cannot run {'; '.join(problems)}; "
+                         "pass impl='reference' (CLI: --impl reference)")
