@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from dflash_jax.nn import rope
+from dflash_jax.nn.rope import RopeSpec
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (CEILING_SIZES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
@@ -210,10 +212,10 @@ def run_dense(batch: int, ctx: int, implementation: str) -> dict:
 def _write_chain(write):
     """Like ``chain`` for norm_rope_write(-like) calls: the pages are the (donated) carry, so
     each call updates them in place as in the model."""
-    def run(pages, reps, k, v, weight, positions, table):
+    def run(pages, reps, k, v, weight, cos, sin, positions, table):
         def body(_, pages):
             for _ in range(UNROLL):
-                pages = write(k, v, weight, positions, *pages, table, eps=1e-6, theta=1e6)
+                pages = write(k, v, weight, cos, sin, positions, *pages, table, eps=1e-6)
             return pages
         return jax.lax.fori_loop(0, reps, body, pages)
     return jax.jit(run, donate_argnums=0)
@@ -227,6 +229,7 @@ def run_rows(cache: Cache, log) -> list[dict]:
     k, v = (jax.random.normal(key, (batch, BLOCK, KV_HEADS, HEAD_DIM), DTYPE) for key in keys)
     weight = jnp.ones((HEAD_DIM,), DTYPE)
     positions = jnp.broadcast_to(jnp.arange(BLOCK, dtype=jnp.int32) + 1000, (batch, BLOCK))
+    cos, sin = rope.tables(positions, RopeSpec(theta=1e6, rotary_dim=HEAD_DIM), DTYPE)  # as the model's layers
     rows = []
     for impl, write in (("pallas", pk.norm_rope_write), ("xla", pk.norm_rope_write_reference)):
         reps = 16
@@ -235,7 +238,7 @@ def run_rows(cache: Cache, log) -> list[dict]:
         times = []
         for _ in range(6):  # first call compiles
             t0 = time.perf_counter()
-            pages = jax.block_until_ready(run(pages, jnp.int32(reps), k, v, weight, positions,
+            pages = jax.block_until_ready(run(pages, jnp.int32(reps), k, v, weight, cos, sin, positions,
                                               cache.table))
             times.append(time.perf_counter() - t0)
         cache.k, cache.v = pages

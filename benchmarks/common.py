@@ -4,7 +4,6 @@ timing and the run record every JSON output starts with."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -42,10 +41,9 @@ DFLASH_DRAFT_LLAMA31_8B = DraftConfig(
                          num_kv_heads=8, head_dim=128, rope=LLAMA31_8B.rope, rms_norm_eps=1e-5),
     block_size=10, mask_token_id=128002, target_layer_ids=(1, 8, 15, 22, 29), num_target_layers=32)
 # Qwen3-30B-A3B: 48 layers of 128 experts (top 8, width 768); a dense 5-layer Qwen3 draft.
-QWEN3_30B_A3B = uniform_config(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                               num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-                               ffn=MoESpec(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True),
-                               max_position_embeddings=40960)
+QWEN3_30B_A3B = uniform_config(family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                               num_kv_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                               ffn=MoESpec(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True))
 DFLASH_DRAFT_30B_A3B = DraftConfig(
     model=uniform_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=5, num_heads=32,
                          num_kv_heads=4, head_dim=128, rope_theta=1e6),
@@ -55,9 +53,9 @@ TINY = uniform_config(vocab_size=512, hidden_size=64, intermediate_size=128, num
                       num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
 TINY_DRAFT = DraftConfig(model=TINY.with_layers(TINY.layers[:2]), block_size=16, mask_token_id=511,
                          target_layer_ids=(1, 2), num_target_layers=4)
-TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
-                          num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6,
-                          ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32), max_position_embeddings=40960)
+TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960,
+                          ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True))
 SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
           "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "tiny": (TINY, TINY_DRAFT),
           "tiny-moe": (TINY_MOE, TINY_DRAFT)}

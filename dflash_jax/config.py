@@ -61,6 +61,8 @@ class ModelConfig:
 
     def _shared(self, what: str, values) -> Any:
         distinct = set(values)
+        if not distinct:
+            raise ConfigError(f"no layer has {what}")
         if len(distinct) != 1:
             raise ConfigError(f"{what} differs between layers ({sorted(distinct, key=str)}): read it per layer")
         return distinct.pop()
@@ -94,8 +96,8 @@ class ModelConfig:
     @property
     def intermediate_size(self) -> int:
         """The width of the dense MLP layers (ConfigError when there are none)."""
-        return self._shared("the dense MLP width", (layer.ffn.intermediate_size for layer in self.layers
-                                                    if isinstance(layer.ffn, MLPSpec)))
+        return self._shared("a dense MLP", (layer.ffn.intermediate_size for layer in self.layers
+                                            if isinstance(layer.ffn, MLPSpec)))
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -124,7 +126,7 @@ class ModelConfig:
         return families.parse_target(raw, where)
 
 
-def uniform_config(*, family: str = "qwen3", vocab_size: int, hidden_size: int, intermediate_size: int,
+def uniform_config(*, family: str = "qwen3", vocab_size: int, hidden_size: int, intermediate_size: int | None = None,
                    num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    rope_theta: float = 1_000_000.0, rope: RopeSpec | None = None, qk_norm: bool = True,
                    layer_types: tuple[str, ...] = (), sliding_window: int | None = None,
@@ -139,6 +141,8 @@ def uniform_config(*, family: str = "qwen3", vocab_size: int, hidden_size: int, 
     layer_types = layer_types or ("full_attention",) * num_layers
     if len(layer_types) != num_layers:
         raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if ffn is None and intermediate_size is None:
+        raise ConfigError("uniform_config needs intermediate_size (a dense MLP's width) or ffn")
     ffn = ffn or MLPSpec(intermediate_size)
     layers = tuple(LayerSpec(dataclasses.replace(attention, sliding_window=sliding_window if kind == "sliding_attention"
                                                  else None), ffn(i) if callable(ffn) else ffn, kind)
@@ -315,7 +319,8 @@ def load_draft_config(directory: str | Path) -> DraftConfig:
     from dflash_jax import families
 
     raw = read_config_json(directory)
-    if not is_draft_config(raw) and families.find_family(raw) is not None:
-        raise ConfigError(f"{directory} holds a {families.find_family(raw).label} target, not a DFlash draft; "
+    family = None if is_draft_config(raw) else families.find_family(raw)
+    if family is not None:
+        raise ConfigError(f"{directory} holds a {family.label} target, not a DFlash draft; "
                           "pass it as the target (--target)")
     return DraftConfig.from_hf(raw, f"{directory}/config.json")

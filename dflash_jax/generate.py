@@ -411,7 +411,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
     ``chunk_steps`` steps (streaming); inside a chunk the
     loop looks for finished rows every ``steps_per_check`` steps (``decode.default_steps_per_check``;
     the output is the same for any value, only speed changes). ``impl`` picks
-    attention kernels or references (see dflash_jax.attention). ``accept_replay`` is a
+    kernels or references (see dflash_jax.ops). ``accept_replay`` is a
     benchmark-only override of the accept decision (each draft accepted with that probability).
     """
     prepared = prepare(target, prompts, draft=draft, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -139,7 +139,7 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
     (ModelConfigs) in a dtype of ``itemsize`` bytes: the attention kernels need a power-of-two
     head_dim >= 16 and page size, block <= 128, and one page of K/V beside the draft block in
     shared memory; the norm+RoPE kernels rotary tables of a power-of-two width; the projection
-    kernel widths that are multiples of 16."""
+    and routed-experts kernels widths that are multiples of 16."""
     power_of_two = pk_tuning.is_power_of_2
     specs = sorted({layer.mixer for config in configs for layer in config.layers}, key=repr)
     problems = []
@@ -168,8 +168,17 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
             if not (power_of_two(width) and (spec.head_dim // 2) % width == 0):
                 problems.append(f"rotary dimension {spec.rope.rotary_dim} of head_dim {spec.head_dim} (the norm+RoPE "
                                 "kernels need half of it to be a power of two dividing head_dim / 2)")
+    from dflash_jax.nn.mlp import MLPSpec  # here: nn.mlp and nn.moe themselves call into this module
+    from dflash_jax.nn.moe import MoESpec
+
+    if resolve_impl(impl, "routed_experts") != "reference":
+        for config in configs:
+            widths = {layer.ffn.intermediate_size for layer in config.layers if isinstance(layer.ffn, MoESpec)}
+            if widths and config.hidden_size % 16:
+                problems.append(f"hidden_size {config.hidden_size} (the routed-experts kernel needs a multiple of 16)")
+            problems += [f"moe_intermediate_size {width} (the routed-experts kernel needs a multiple of 16)"
+                         for width in sorted(widths) if width % 16]
     if resolve_impl(impl, "fused_matmul") != "reference":
-        from dflash_jax.nn.mlp import MLPSpec  # here: nn.mlp itself calls into this module
 
         widths = {}
         for config in configs:

@@ -57,12 +57,15 @@ def fused_matmul_reference(x: jax.Array, w: jax.Array, *, norm_weight: jax.Array
                            residual: jax.Array | None = None) -> jax.Array:
     """[rms_norm(x, norm_weight)] @ w [+ bias] [-> silu(gate) * up] [+ residual], x [..., K], w
     [K, N or 2N], bias [N or 2N] -> [..., N] in x's dtype. Written as the model always ran it
-    through XLA: the product rounded to x's dtype, bias, gate and residual in x's dtype (the
-    kernel keeps them in f32 and rounds once, which is within the usual bf16 tolerance of this)."""
+    through XLA: the product (with its bias, added before the rounding, as torch's Linear does)
+    rounded to x's dtype, gate and residual in x's dtype (the kernel keeps them in f32 and
+    rounds once, which is within the usual bf16 tolerance of this)."""
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    y = jnp.einsum("...k,kn->...n", h, w)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
+    if bias is None:
+        y = jnp.einsum("...k,kn->...n", h, w)
+    else:
+        y = (jnp.einsum("...k,kn->...n", h, w, preferred_element_type=jnp.float32)
+             + bias.astype(jnp.float32)).astype(x.dtype)
     return finish_projection(y, residual, gated, x.dtype)
 
 

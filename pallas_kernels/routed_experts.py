@@ -26,6 +26,7 @@ from pallas_kernels.tuning import check_launch, gpu_limits, is_power_of_2, next_
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+COUNTING_LIMIT = 1 << 20  # pairs x experts whose running counts (4 MB of int32) expert_tiles keeps
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -58,16 +59,24 @@ def expert_tiles(experts: jax.Array, num_experts: int, block_m: int) -> tuple[ja
     tile, each expert's pairs in token order: (rows [T * block_m]: the pair (n * k + j) each row
     holds, -1 for padding; tile_expert [T]: each tile's expert, -1 for a tile with no rows).
     T = ceil(N k / block_m) + min(E, N k) bounds the tiles any routing needs (each expert with
-    rows adds at most one partial tile). Counting, not sorting: a decode step runs a handful of
-    small fused ops here, not a sort and a binary search."""
+    rows adds at most one partial tile). Up to ``COUNTING_LIMIT`` pairs x experts each pair's rank
+    among its expert's pairs is counted (a running count per expert: a decode step runs a handful
+    of small fused ops, no sort); past it (long prefills, where the counts would take hundreds of
+    MB) the pairs are sorted."""
     pairs = experts.size
     flat = experts.reshape(-1)
-    running = jnp.cumsum(flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None, :], axis=0,
-                         dtype=jnp.int32)                             # [P, E]: pairs so far per expert
-    sizes = running[-1]
+    if pairs * num_experts <= COUNTING_LIMIT:
+        running = jnp.cumsum(flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None, :], axis=0,
+                             dtype=jnp.int32)                         # [P, E]: pairs so far per expert
+        sizes = running[-1]
+        within = jnp.take_along_axis(running, flat[:, None], axis=1)[:, 0] - 1   # rank among its expert's pairs
+    else:
+        order, _, sizes = sort_by_expert(experts, num_experts)
+        starts = jnp.cumsum(sizes) - sizes
+        within = jnp.zeros((pairs,), jnp.int32).at[order].set(
+            jnp.arange(pairs, dtype=jnp.int32) - starts[flat[order]])
     padded = (sizes + block_m - 1) // block_m * block_m
     padded_end = jnp.cumsum(padded)
-    within = jnp.take_along_axis(running, flat[:, None], axis=1)[:, 0] - 1   # rank among its expert's pairs
     slot = (padded_end - padded)[flat] + within
     num_tiles = pl.cdiv(pairs, block_m) + min(num_experts, pairs)
     rows = jnp.full((num_tiles * block_m,), -1, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32))
@@ -181,7 +190,8 @@ def tile_rows(pairs: int, num_experts: int) -> int:
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *,
                    interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
-    """Pallas version of ``routed_experts_reference`` (same arguments and result): reads only the
+    """Pallas version of ``routed_experts_reference`` (same arguments; the result within the
+    rounding of its products, which the kernel keeps in f32 and rounds once): reads only the
     routed experts' weights. ``block_m`` rows per tile (default ``tile_rows``), ``block_n``
     output columns and ``block_k`` reduced dims per step (default: the largest of 64, 32, 16 and
     of 128, 64, 32, 16 that divide them), ``num_stages`` software-pipelined steps (default: up to
@@ -197,8 +207,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     def call(kernel, operands, out_rows, out_cols, reduce, out_dtype, name, weight_tiles):
         bn = block_n or _largest_divisor(out_cols, (64, 32, 16))
         bk = block_k or _largest_divisor(reduce, (128, 64, 32, 16))
-        if out_cols % bn or reduce % bk:
-            raise ValueError(f"{name}: block_n {bn} must divide {out_cols} and block_k {bk} must divide {reduce}")
+        for what, value, size in (("block_n", bn, out_cols), ("block_k", bk, reduce)):
+            if not (is_power_of_2(value) and value >= 16) or size % value:
+                raise ValueError(f"{name}: {what} must be a power of two >= 16 that divides {size}, got {value}")
         stage_bytes = (block_m + weight_tiles * bn) * bk * x.dtype.itemsize
         budget = gpu_limits().smem_budget
         stages = max(1, min(3, budget // stage_bytes)) if num_stages is None else num_stages

@@ -8,7 +8,6 @@ target, and every config or checkpoint these families can get wrong, refused by 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -318,6 +317,7 @@ def _raw(family: str, **overrides) -> dict:
 
 @pytest.mark.parametrize("family, overrides, message", [
     ("qwen3_moe", dict(num_experts=None), "required field 'num_experts'"),
+    ("qwen3_moe", dict(num_experts=6), "num_experts 6 and num_local_experts 4 disagree"),
     ("qwen3_moe", dict(num_experts_per_tok=None), "required field 'num_experts_per_tok'"),
     ("qwen3_moe", dict(moe_intermediate_size=None), "required field 'moe_intermediate_size'"),
     ("qwen3_moe", dict(num_experts_per_tok=5), r"num_experts_per_tok must be in \[1, num_experts=4\], got 5"),
@@ -329,7 +329,7 @@ def _raw(family: str, **overrides) -> dict:
      "required field 'low_freq_factor'"),
     ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not used"),
-], ids=["experts", "top-k", "expert-width", "top-k-too-large", "sparse-step", "dense-layer-index", "rope-type",
+], ids=["experts", "experts-disagree", "top-k", "expert-width", "top-k-too-large", "sparse-step", "dense-layer-index", "rope-type",
         "llama3-field", "act", "partial-rotary"])
 def test_bad_family_configs_are_refused_by_name(family, overrides, message):
     raw = {k: v for k, v in _raw(family, **overrides).items() if v is not None or k not in overrides}
@@ -337,6 +337,20 @@ def test_bad_family_configs_are_refused_by_name(family, overrides, message):
         raw.pop("num_local_experts", None)
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("overrides", [dict(num_local_experts=0), dict(mlp_only_layers=[0, 1, 2])],
+                         ids=["no-experts", "every-layer-dense"])
+def test_a_moe_config_with_no_sparse_layer_is_all_dense_and_round_trips(overrides):
+    """As transformers reads it: 0 experts, or every layer listed dense, makes a dense model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    raw = _raw("qwen3_moe", **overrides)
+    config = ModelConfig.from_hf(raw)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(raw))
+    assert [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen3MoeMLP"] * 3
+    assert not any(isinstance(layer.ffn, MoESpec) for layer in config.layers)
+    assert ModelConfig.from_hf(families.get("qwen3_moe").export_fields(config)) == config
 
 
 def test_unknown_architecture_lists_the_supported_ones():

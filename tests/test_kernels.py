@@ -448,13 +448,17 @@ def test_routed_experts(case, interpret, check):
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
-def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles():
-    """Every pair in exactly one row, rows grouped by expert in tiles of one expert, padding -1,
-    tiles past the last expert's marked -1 (they stream nothing)."""
-    from pallas_kernels.routed_experts import expert_tiles
+@pytest.mark.parametrize("counting", [True, False], ids=["counted", "sorted"])
+def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeypatch):
+    """Every pair in exactly one row, each expert's pairs in token order in tiles of that expert
+    alone, padding -1, tiles past the last expert's marked -1 (they stream nothing): the same
+    layout whether the ranks are counted (short inputs) or sorted (long prefills)."""
+    import importlib
+    routed_experts = importlib.import_module("pallas_kernels.routed_experts")  # the module, not the kernel
+    monkeypatch.setattr(routed_experts, "COUNTING_LIMIT", 1 << 30 if counting else 0)
     rng = _rng("tiles")
     experts = jnp.asarray(_routing(rng, 37, 4, 10, "skewed"), jnp.int32)
-    rows, tile_expert = (np.asarray(a) for a in expert_tiles(experts, 10, 16))
+    rows, tile_expert = (np.asarray(a) for a in routed_experts.expert_tiles(experts, 10, 16))
     assert sorted(rows[rows >= 0].tolist()) == list(range(37 * 4))
     flat = np.asarray(experts).reshape(-1)
     for tile, expert in enumerate(tile_expert):
@@ -463,6 +467,9 @@ def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles():
             assert (held < 0).all()
         else:
             assert (flat[held[held >= 0]] == expert).all() and (held >= 0).any()
+    for expert in range(10):  # token order within an expert
+        pairs = rows[np.isin(np.arange(len(rows)) // 16, np.flatnonzero(tile_expert == expert))]
+        assert pairs[pairs >= 0].tolist() == np.flatnonzero(flat == expert).tolist()
     assert len(tile_expert) == -(-37 * 4 // 16) + 10
 
 
@@ -952,7 +959,9 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
     jax.eval_shape(functools.partial(pk.fused_matmul, num_splits=2), S((2, 256), BF), S((256, 64), BF))
     moe = (S((4, 64), BF), S((4, 2), jnp.int32), S((4, 2), BF), S((8, 64, 64), BF), S((8, 32, 64), BF))
     for changed, kw, match in [((), {"block_m": 8}, "block_m must be a power of two >= 16"),
-                               ((), {"block_n": 24}, "block_n 24 must divide 32"),
+                               ((), {"block_n": 24}, "block_n must be a power of two >= 16 that divides 32, got 24"),
+                               ((), {"block_k": 8}, "block_k must be a power of two >= 16 that divides 64, got 8"),
+                               ((), {"block_n": 128}, "block_n must be a power of two >= 16 that divides 32, got 128"),
                                ((), {"num_warps": 3}, "num_warps"),
                                ({4: S((8, 32, 48), BF)}, {}, r"must be \[E, H, 2I\] and \[E, I, H\]"),
                                ({1: S((4, 2), jnp.float32)}, {}, "integer expert ids"),

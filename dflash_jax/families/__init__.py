@@ -66,7 +66,7 @@ def parse_target(raw: dict[str, Any], where: str) -> ModelConfig:
     """A target's ModelConfig from its config.json; ConfigError naming what is not supported."""
     family = find_family(raw)
     if family is None:
-        named = architectures(raw) or raw.get("model_type")
-        what = f"architecture {', '.join(named)}" if architectures(raw) else f"model_type '{named}'"
+        names = architectures(raw)
+        what = f"architecture {', '.join(names)}" if names else f"model_type '{raw.get('model_type')}'"
         raise ConfigError(f"{where}: {what} is not supported (supported: {supported()})")
     return family.parse(raw, where)

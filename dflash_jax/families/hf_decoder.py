@@ -41,19 +41,21 @@ def num_layers(raw: dict, where: str) -> int:
 
 
 def attention(raw: dict, where: str, *, head_dim_default: int | None, kv_heads_absent: int | None,
-              qk_norm: bool, max_position_default: int) -> AttentionSpec:
+              qk_norm: bool, max_position: int) -> AttentionSpec:
     """The attention of every layer (no window: the family sets it per layer). ``head_dim_default``
     None means hidden_size // num_attention_heads; ``kv_heads_absent`` is the KV head count when
-    the field is absent (None: one per query head, as when it is null)."""
+    the field is absent (None: one per query head, as when it is null); ``max_position`` is the
+    parsed ``max_position_embeddings`` (scaled RoPE may read it)."""
     heads = field(raw, "num_attention_heads", where, int)
-    if "num_key_value_heads" in raw and raw["num_key_value_heads"] is not None:
+    if raw.get("num_key_value_heads") is not None:
         kv_heads = field(raw, "num_key_value_heads", where, int)
+    elif "num_key_value_heads" in raw or kv_heads_absent is None:
+        kv_heads = heads  # null: one KV head per query head
     else:
-        kv_heads = kv_heads_absent if kv_heads_absent is not None and "num_key_value_heads" not in raw else heads
+        kv_heads = kv_heads_absent
     if head_dim_default is None:
         head_dim_default = field(raw, "hidden_size", where, int) // max(heads, 1)
     head_dim = field(raw, "head_dim", where, int, head_dim_default)
-    max_position = field(raw, "max_position_embeddings", where, int, max_position_default)
     rope = rope_from_hf(raw, head_dim, max_position, where)
     partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
@@ -61,6 +63,14 @@ def attention(raw: dict, where: str, *, head_dim_default: int | None, kv_heads_a
                           "(it rotates whole heads): remove it")
     return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope=rope, qk_norm=qk_norm,
                          bias=field(raw, "attention_bias", where, bool, False))
+
+
+def sliding_window(raw: dict, where: str) -> int | None:
+    """The window of the sliding layers, as transformers' Qwen3 configs read it: only under
+    ``use_sliding_window``, 4096 when the ``sliding_window`` field is absent, none when null."""
+    if not field(raw, "use_sliding_window", where, bool, False):
+        return None
+    return field(raw, "sliding_window", where, int, None) if "sliding_window" in raw else 4096
 
 
 def layer_kinds(raw: dict, where: str, layers: int, window: int | None, *,
@@ -85,7 +95,7 @@ def export_fields(config, model_type: str, architecture: str) -> dict[str, Any]:
     """The config.json fields these families share, from a config whose layers share one attention
     spec (``ModelConfig.attention`` raises otherwise)."""
     attention = config.attention
-    rope = rope_to_hf(attention.rope)
+    rope = rope_to_hf(attention.rope, attention.head_dim)
     fields = {
         "architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,

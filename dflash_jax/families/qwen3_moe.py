@@ -16,30 +16,31 @@ from dflash_jax.nn.moe import MoESpec
 MAX_POSITION_DEFAULT = 32768
 
 
-def _moe_spec(raw: dict, where: str) -> MoESpec:
-    """The experts' fields are required: a MoE config without them is not one this library can trust
-    (transformers would fill in Qwen3-30B-A3B's 128 x 768 and fail on the weights)."""
-    experts_field = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
-    if raw.get(experts_field) is None:
+def _num_experts(raw: dict, where: str) -> int:
+    """The expert count is required: a MoE config without it is not one this library can trust
+    (transformers would fill in Qwen3-30B-A3B's 128 and fail on the weights). 0, as in
+    transformers, makes every layer dense."""
+    given = {name: field(raw, name, where, int) for name in ("num_experts", "num_local_experts")
+             if raw.get(name) is not None}
+    if not given:
         raise ConfigError(f"{where}: required field 'num_experts' (or num_local_experts) is missing "
                           "(a MoE config names its expert count)")
-    return MoESpec(num_experts=field(raw, experts_field, where, int),
-                   top_k=field(raw, "num_experts_per_tok", where, int),
-                   intermediate_size=field(raw, "moe_intermediate_size", where, int),
-                   norm_topk_prob=field(raw, "norm_topk_prob", where, bool, False))
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"{where}: num_experts {given['num_experts']} and num_local_experts "
+                          f"{given['num_local_experts']} disagree (one is the other's alias): keep one")
+    return next(iter(given.values()))
 
 
 def parse(raw: dict, where: str) -> ModelConfig:
     hf_decoder.check_runnable(raw, where)
     layers = hf_decoder.num_layers(raw, where)
-    # Qwen3MoeConfig: 4 KV heads when the field is absent, head_dim hidden // heads
-    attention = hf_decoder.attention(raw, where, head_dim_default=None, kv_heads_absent=4, qk_norm=True,
-                                     max_position_default=MAX_POSITION_DEFAULT)
-    window = None  # every layer slides under use_sliding_window (4096 when the field is absent)
-    if field(raw, "use_sliding_window", where, bool, False):
-        window = field(raw, "sliding_window", where, int, None) if "sliding_window" in raw else 4096
-    attention = dataclasses.replace(attention, sliding_window=window)
-    moe = _moe_spec(raw, where)
+    fields = hf_decoder.decoder_fields(raw, where, max_position_default=MAX_POSITION_DEFAULT)
+    # Qwen3MoeConfig: 4 KV heads when the field is absent, head_dim hidden // heads; every layer
+    # slides under use_sliding_window
+    window = hf_decoder.sliding_window(raw, where)
+    attention = dataclasses.replace(
+        hf_decoder.attention(raw, where, head_dim_default=None, kv_heads_absent=4, qk_norm=True,
+                             max_position=fields["max_position_embeddings"]), sliding_window=window)
     step = field(raw, "decoder_sparse_step", where, int, 1)
     if step < 1:
         raise ConfigError(f"{where}: decoder_sparse_step must be >= 1, got {step}")
@@ -47,27 +48,29 @@ def parse(raw: dict, where: str) -> ModelConfig:
     outside = sorted(i for i in dense_only if not 0 <= i < layers)
     if outside:
         raise ConfigError(f"{where}: mlp_only_layers {outside} are outside the {layers} layers")
-    sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+    num_experts = _num_experts(raw, where)
+    sparse = [num_experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+    moe = MoESpec(num_experts=num_experts, top_k=field(raw, "num_experts_per_tok", where, int),
+                  intermediate_size=field(raw, "moe_intermediate_size", where, int),
+                  norm_topk_prob=field(raw, "norm_topk_prob", where, bool, False)) if any(sparse) else None
     mlp = MLPSpec(field(raw, "intermediate_size", where, int)) if not all(sparse) else None
     kind = "full_attention" if window is None else "sliding_attention"
-    specs = tuple(LayerSpec(attention, moe if is_sparse else mlp, kind) for is_sparse in sparse)
-    return ModelConfig(family="qwen3_moe", layers=specs,
-                       **hf_decoder.decoder_fields(raw, where, max_position_default=MAX_POSITION_DEFAULT))
+    return ModelConfig(family="qwen3_moe", layers=tuple(LayerSpec(attention, moe if is_sparse else mlp, kind)
+                                                        for is_sparse in sparse), **fields)
 
 
 def export_fields(config: ModelConfig) -> dict:
     sparse = [i for i, layer in enumerate(config.layers) if isinstance(layer.ffn, MoESpec)]
-    if not sparse:
-        raise ConfigError("a qwen3_moe config needs at least one MoE layer")
-    moe = config.layers[sparse[0]].ffn
-    if any(config.layers[i].ffn != moe for i in sparse):
-        raise ConfigError("the MoE layers differ: Qwen3MoeConfig holds one expert spec")
     dense = [i for i in range(config.num_layers) if i not in sparse]
     fields = {**hf_decoder.export_fields(config, "qwen3_moe", "Qwen3MoeForCausalLM"),
-              "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-              "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
-              "decoder_sparse_step": 1, "mlp_only_layers": dense,
+              "decoder_sparse_step": 1, "mlp_only_layers": dense, "num_experts": 0,
               "use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window}
+    if sparse:
+        moe = config.layers[sparse[0]].ffn
+        if any(config.layers[i].ffn != moe for i in sparse):
+            raise ConfigError("the MoE layers differ: Qwen3MoeConfig holds one expert spec")
+        fields.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=moe.intermediate_size, norm_topk_prob=moe.norm_topk_prob)
     if dense:
         fields["intermediate_size"] = config.intermediate_size
     return fields

@@ -16,6 +16,7 @@ from flax import struct
 from dflash_jax import ops
 from dflash_jax.hf_json import ConfigError
 from dflash_jax.nn import rope
+from dflash_jax.nn.initializers import normal
 from dflash_jax.nn.rope import RopeSpec
 
 
@@ -79,10 +80,10 @@ def init_attention(spec: AttentionSpec, hidden: int, key: jax.Array, dtype, scal
     """Random weights (normal(0, scale)), unit norms, zero biases: for tests and benchmarks."""
     qkv_width = spec.q_size + 2 * spec.kv_size
     k_qkv, k_o = jax.random.split(key)
-    normal = lambda k, shape: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
     norm = lambda: jnp.ones((spec.head_dim,), dtype) if spec.qk_norm else None  # noqa: E731
     bias = lambda n: jnp.zeros((n,), dtype) if spec.bias else None  # noqa: E731
-    return AttentionParams(qkv_proj=normal(k_qkv, (hidden, qkv_width)), o_proj=normal(k_o, (spec.q_size, hidden)),
+    return AttentionParams(qkv_proj=normal(k_qkv, (hidden, qkv_width), dtype, scale),
+                           o_proj=normal(k_o, (spec.q_size, hidden), dtype, scale),
                            q_norm=norm(), k_norm=norm(), qkv_bias=bias(qkv_width), o_bias=bias(hidden))
 
 

@@ -10,6 +10,7 @@ from flax import struct
 
 from dflash_jax import ops
 from dflash_jax.hf_json import ConfigError
+from dflash_jax.nn.initializers import normal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +39,8 @@ def init_mlp(spec: MLPSpec, hidden: int, key: jax.Array, dtype, scale: float = 0
     """Random weights (normal(0, scale)), zero biases: for tests and benchmarks."""
     width = spec.intermediate_size
     k_gu, k_down = jax.random.split(key)
-    normal = lambda k, shape: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
-    return MLPParams(gate_up_proj=normal(k_gu, (hidden, 2 * width)), down_proj=normal(k_down, (width, hidden)),
+    return MLPParams(gate_up_proj=normal(k_gu, (hidden, 2 * width), dtype, scale),
+                     down_proj=normal(k_down, (width, hidden), dtype, scale),
                      gate_up_bias=jnp.zeros((2 * width,), dtype) if spec.bias else None,
                      down_bias=jnp.zeros((hidden,), dtype) if spec.bias else None)
 

@@ -12,6 +12,7 @@ from flax import struct
 
 from dflash_jax import ops
 from dflash_jax.hf_json import ConfigError
+from dflash_jax.nn.initializers import normal
 from pallas_kernels import rms_norm
 
 
@@ -24,7 +25,7 @@ class MoESpec:
     num_experts: int
     top_k: int
     intermediate_size: int
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -48,9 +49,9 @@ def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0
     """Random weights (normal(0, scale)): for tests and benchmarks."""
     e, i = spec.num_experts, spec.intermediate_size
     keys = jax.random.split(key, 3)
-    normal = lambda k, shape: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
-    return MoEParams(router=normal(keys[0], (hidden, e)), gate_up_proj=normal(keys[1], (e, hidden, 2 * i)),
-                     down_proj=normal(keys[2], (e, i, hidden)))
+    return MoEParams(router=normal(keys[0], (hidden, e), dtype, scale),
+                     gate_up_proj=normal(keys[1], (e, hidden, 2 * i), dtype, scale),
+                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale))
 
 
 def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:

@@ -173,9 +173,12 @@ def rope_from_hf(raw: dict, rotary_dim: int, max_position_embeddings: int, where
                     truncate=field(params, "truncate", inner, bool, True))
 
 
-def rope_to_hf(spec: RopeSpec) -> dict:
-    """``rope_parameters`` for a config.json (the inverse of ``rope_from_hf``)."""
+def rope_to_hf(spec: RopeSpec, head_dim: int) -> dict:
+    """``rope_parameters`` for a config.json of heads of ``head_dim`` dims (the inverse of
+    ``rope_from_hf``)."""
     out = {"rope_type": spec.kind, "rope_theta": spec.theta}
+    if spec.rotary_dim != head_dim:
+        out["partial_rotary_factor"] = spec.rotary_dim / head_dim
     if spec.kind == "llama3":
         out.update(factor=spec.factor, low_freq_factor=spec.low_freq_factor, high_freq_factor=spec.high_freq_factor,
                    original_max_position_embeddings=spec.original_max_position_embeddings)
