@@ -46,6 +46,7 @@ from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_op
 
 from dflash_jax import draft as draft_model  # noqa: E402
 from dflash_jax import target as target_model  # noqa: E402
+from dflash_jax.cache import state_bytes_per_sequence  # noqa: E402
 from dflash_jax.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs, reported_as_errors  # noqa: E402
 from dflash_jax.decode import default_steps_per_check  # noqa: E402
 from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
@@ -57,7 +58,8 @@ SECTIONS = ("decode", "parts", "e2e")
 # tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
 _GPU_GRID = {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32], "blocks": [4, 8, 16]}
 _CPU_GRID = {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1], "blocks": [4, 8, 16]}
-SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID,
+SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
+                  "qwen3.5-35b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID, "tiny-hybrid": _CPU_GRID,
                   "llama3.1-8b": {**_GPU_GRID, "blocks": [4, 8, 10]}}  # z-lab's LLaMA draft: block 10
 PARTS_CONTEXT, PARTS_BLOCK = 512, 16  # the parts' block: 16, or the draft's trained block when smaller
 REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
@@ -106,7 +108,9 @@ class Roofline:
     per (query, key) pair), turned into a floor time by the measured
     ceilings: the larger of bytes over the copy bandwidth and FLOPs over the matmul rate. A DFlash
     step is its three parts: draft, verify and commit. A MoE layer reads only its routed experts:
-    ``expected_experts`` of them for the tokens of the pass, each token computing top_k."""
+    ``expected_experts`` of them for the tokens of the pass, each token computing top_k. A hybrid's
+    Gated DeltaNet states count once read and once written per step (the floor; the rollback
+    reads them once more: ``dflash_jax.cache``)."""
 
     def __init__(self, target: Target, draft: Draft, ceilings: dict):
         tc, dc = target.config, draft.config.model
@@ -132,10 +136,12 @@ class Roofline:
                          for layer in d.layers)
         itemsize = d.fc.dtype.itemsize
         self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize, 2 * (nparams(d.fc) + kv_columns))
-        kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * cfg.num_layers  # noqa: E731  (K+V, bf16)
-        self.target_kv_token, self.draft_kv_token = kv_per_token(tc), kv_per_token(dc)
+        kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * len(cfg.attention_layers)  # noqa: E731
+        self.target_kv_token, self.draft_kv_token = kv_per_token(tc), kv_per_token(dc)  # (K+V, bf16)
+        # A hybrid's recurrent and conv states, read and written once per step per sequence.
+        self.state_bytes = state_bytes_per_sequence(tc)
         # Attention FLOPs per (query, key) pair: q.k and p.v over every query head of every layer.
-        attention_per_pair = lambda cfg: 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers  # noqa: E731
+        attention_per_pair = lambda cfg: 4 * cfg.num_heads * cfg.head_dim * len(cfg.attention_layers)  # noqa: E731
         self.target_attention, self.draft_attention = attention_per_pair(tc), attention_per_pair(dc)
 
     def seconds(self, cost: Cost) -> float:
@@ -150,7 +156,7 @@ class Roofline:
         """The target over ``block`` tokens per sequence (block 1: a plain decode step); the new
         tokens attend to the context and, causally, to each other."""
         pairs = batch * block * (context + (block + 1) / 2)
-        return Cost(self.target.bytes + batch * context * self.target_kv_token,
+        return Cost(self.target.bytes + batch * context * self.target_kv_token + 2 * batch * self.state_bytes,
                     self.target.flops * batch * block + self.target_attention * pairs) + self.experts(batch * block)
 
     def draft(self, batch, context, block) -> Cost:
@@ -170,6 +176,8 @@ class Roofline:
     def weight_bytes(self) -> dict:
         out = {"target_weights": self.target.bytes, "draft_block_pass_weights": self.draft_layers.bytes,
                "lm_head_for_draft_logits": self.draft_head.bytes, "commit_weights": self.commit_weights.bytes}
+        if self.state_bytes:
+            out["recurrent_state_per_sequence"] = self.state_bytes
         if self.moe_layers:
             out["target_weights"] = self.target.bytes + self.experts(1).bytes  # a decode step's routed experts
             out["target_weights_besides_experts"] = self.target.bytes
@@ -286,6 +294,8 @@ def time_parts(target, draft, batch, context, block, iterations, repeats, rng, i
             cache, tokens = carry
             hidden, _, cache = target_model.forward(tp, config.target, tokens, cache.lengths, cache,
                                                     tap_layers=config.tap_layers, impl=config.impl)
+            # (a hybrid's commit replays the accepted tokens into its recurrent states: timed here)
+            cache = cache.commit(cache.lengths, config.impl)
             return cache, jnp.argmax(target_model.logits(tp, hidden), -1).astype(jnp.int32)
         return jax.lax.fori_loop(0, n, body, (cache, tokens))
 

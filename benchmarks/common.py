@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_jax.cli import at_least
 from dflash_jax.config import DraftConfig, uniform_config
+from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
 from dflash_jax.nn.moe import MoESpec
 from dflash_jax.nn.rope import RopeSpec
 from dflash_jax.models import Draft, Target
@@ -48,6 +49,31 @@ DFLASH_DRAFT_30B_A3B = DraftConfig(
     model=uniform_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=5, num_heads=32,
                          num_kv_heads=4, head_dim=128, rope_theta=1e6),
     block_size=16, mask_token_id=151669, target_layer_ids=(1, 12, 23, 34, 45), num_target_layers=48)
+# Qwen3.5-27B: 64 layers, every fourth gated attention (24/4 heads x 256, RoPE on 64 dims), the rest
+# Gated DeltaNet (16 key / 48 value heads x 128); z-lab's Qwen3.6-27B draft: 5 Qwen3 layers, block 16.
+HYBRID_TYPES = lambda n: tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))  # noqa: E731
+QWEN35_27B = uniform_config(family="qwen3_5_release", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                            num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256, output_gate=True,
+                            rope=RopeSpec(theta=1e7, rotary_dim=64), layer_types=HYBRID_TYPES(64),
+                            linear_attention=GatedDeltaNetSpec(16, 48, 128, 128), max_position_embeddings=262144,
+                            zero_centred_norms=True)
+DFLASH_DRAFT_35_27B = DraftConfig(
+    model=uniform_config(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_layers=5, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=1e7),
+    block_size=16, mask_token_id=248070, target_layer_ids=(1, 16, 31, 46, 61), num_target_layers=64)
+# Qwen3.5-35B-A3B-like: 40 layers, 256 experts (top 8, width 512) + a shared expert (512) on each;
+# its z-lab draft: 8 Qwen3 layers.
+QWEN35_35B_A3B = uniform_config(family="qwen3_5_moe_release", vocab_size=248320, hidden_size=2048, num_layers=40,
+                                num_heads=16, num_kv_heads=2, head_dim=256, output_gate=True,
+                                rope=RopeSpec(theta=1e7, rotary_dim=64), layer_types=HYBRID_TYPES(40),
+                                linear_attention=GatedDeltaNetSpec(16, 32, 128, 128), max_position_embeddings=262144,
+                                zero_centred_norms=True,
+                                ffn=MoESpec(num_experts=256, top_k=8, intermediate_size=512, norm_topk_prob=True,
+                                            shared_intermediate_size=512))
+DFLASH_DRAFT_35_35B_A3B = DraftConfig(
+    model=uniform_config(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=32,
+                         num_kv_heads=4, head_dim=128, rope_theta=1e7),
+    block_size=16, mask_token_id=248070, target_layer_ids=(1, 10, 19, 28, 37), num_target_layers=40)
 # CPU smoke-test shapes: same structure, minutes -> seconds.
 TINY = uniform_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
@@ -56,13 +82,20 @@ TINY_DRAFT = DraftConfig(model=TINY.with_layers(TINY.layers[:2]), block_size=16,
 TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960,
                           ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True))
+TINY_HYBRID = uniform_config(family="qwen3_5_release", vocab_size=512, hidden_size=64, intermediate_size=128,
+                             num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, output_gate=True,
+                             rope=RopeSpec(theta=1e7, rotary_dim=8), layer_types=HYBRID_TYPES(4),
+                             linear_attention=GatedDeltaNetSpec(2, 4, 16, 16), max_position_embeddings=40960,
+                             zero_centred_norms=True)
 SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
-          "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "tiny": (TINY, TINY_DRAFT),
-          "tiny-moe": (TINY_MOE, TINY_DRAFT)}
+          "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "qwen3.5-27b": (QWEN35_27B, DFLASH_DRAFT_35_27B),
+          "qwen3.5-35b-a3b": (QWEN35_35B_A3B, DFLASH_DRAFT_35_35B_A3B), "tiny": (TINY, TINY_DRAFT),
+          "tiny-moe": (TINY_MOE, TINY_DRAFT), "tiny-hybrid": (TINY_HYBRID, TINY_DRAFT)}
 # Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
 # enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
 CEILING_SIZES = {"qwen3-8b": (1024, 8192), "llama3.1-8b": (1024, 8192), "qwen3-30b-a3b": (1024, 8192),
-                 "tiny": (8, 512), "tiny-moe": (8, 512)}
+                 "qwen3.5-27b": (1024, 8192), "qwen3.5-35b-a3b": (1024, 8192),
+                 "tiny": (8, 512), "tiny-moe": (8, 512), "tiny-hybrid": (8, 512)}
 
 
 # ----------------------------------------------------------------------------- argument checks

@@ -1,6 +1,8 @@
 """JAX params -> HF folders: a DFlash draft in z-lab format (what ``dflash.model.DFlashDraftModel
-.from_pretrained``, SGLang and vLLM load) and a target of any supported family (its own
-``*ForCausalLM``: Qwen3, LLaMA, Qwen3-MoE).
+.from_pretrained``, SGLang and vLLM load) and a target of any supported family in the format it
+was read from (Qwen3, LLaMA, Qwen3-MoE, Qwen3.5 / Qwen3.5-MoE text-only or as a release, Qwen3-Next).
+A release is written without its vision tower (never loaded here): transformers warns that those
+tensors are missing and initialises them.
 
 Used to hand a draft trained here to the PyTorch ecosystem. Tensor names and config fields come
 from the family tables (``dflash_jax.families``), the same ones the loaders read. Weights are written

@@ -1,10 +1,17 @@
-"""Paged KV cache shared by the target's and the draft's layers, and its host-side allocator.
+"""The cache shared by the target's and the draft's layers: paged K/V for attention layers, a
+recurrent state per sequence for Gated DeltaNet layers, and the host-side page allocator.
 
-One page table serves every layer: position ``p`` of sequence ``b`` lives in page
+One page table serves every attention layer: position ``p`` of sequence ``b`` lives in page
 ``page_table[b, p // page_size]`` of each layer's pages. The target caches the K/V of every
 token it has run; the draft caches context K/V (from the target's hidden states) at the same
 positions, so both fit one allocator. ``lengths`` counts committed tokens: anything past it
 (a rejected block's K/V, in either group) is ignored and later overwritten, never copied.
+
+A Gated DeltaNet layer's state cannot be rolled back by a length: a forward leaves it unchanged
+(reading it once) and records the block's inputs (``pending``); ``commit`` folds in exactly the
+committed tokens of each sequence (a replay of the accepted prefix from the pre-verify state: one
+more state read and one write per layer, nothing kept per draft position). Commit is the one
+place a step's outcome enters the cache.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import numpy as np
 from flax import struct
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.nn import gated_deltanet
 from dflash_jax.nn.attention import AttentionSpec
+from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec, PendingBlock
 
 
 class OutOfPagesError(RuntimeError):
@@ -26,23 +35,33 @@ class OutOfPagesError(RuntimeError):
 
 @struct.dataclass
 class PagedKVCache:
-    """k[i], v[i]: [num_pages, page_size, kv_heads_i, head_dim_i] for layer i (target layers
-    first, then draft layers); page_table: [batch, pages_per_seq] int32, unused entries hold
-    ``num_pages`` (writes there are dropped); lengths: [batch] int32 committed tokens."""
+    """Per layer i (target layers first, then draft layers), None where the layer has no such
+    pool: k[i], v[i]: [num_pages, page_size, kv_heads_i, head_dim_i] of an attention layer;
+    conv[i]: [batch, K-1, conv_dim_i] (the last pre-conv inputs) and recurrent[i]: [batch, Hv_i,
+    dk_i, dv_i] f32 of a Gated DeltaNet layer. page_table: [batch, pages_per_seq] int32, unused
+    entries hold ``num_pages`` (writes there are dropped); lengths: [batch] int32 committed
+    tokens. pending: the last forward's Gated DeltaNet inputs per layer, until ``commit``."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array | None, ...]
+    v: tuple[jax.Array | None, ...]
+    conv: tuple[jax.Array | None, ...]
+    recurrent: tuple[jax.Array | None, ...]
     page_table: jax.Array
     lengths: jax.Array
     num_target_layers: int = struct.field(pytree_node=False)
+    pending: tuple[PendingBlock | None, ...] | None = None
+
+    @property
+    def _any_pages(self) -> jax.Array:
+        return next(k for k in self.k if k is not None)
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self._any_pages.shape[1]
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self._any_pages.shape[0]
 
     @property
     def capacity(self) -> int:
@@ -57,11 +76,36 @@ class PagedKVCache:
         ks[index], vs[index] = k, v
         return self.replace(k=tuple(ks), v=tuple(vs))
 
-    def commit(self, lengths: jax.Array) -> "PagedKVCache":
+    def record(self, index: int, pending: PendingBlock) -> "PagedKVCache":
+        """Keep a Gated DeltaNet layer's block inputs for the commit."""
+        blocks = list(self.pending or (None,) * len(self.k))
+        blocks[index] = pending
+        return self.replace(pending=tuple(blocks))
+
+    def emptied(self) -> "PagedKVCache":
+        """Every sequence emptied, to start from nothing: no committed tokens, zero recurrent and
+        conv states (pages need no clearing: nothing past ``lengths`` is read)."""
+        zero = lambda pool: tuple(None if x is None else jnp.zeros_like(x) for x in pool)  # noqa: E731
+        return self.replace(conv=zero(self.conv), recurrent=zero(self.recurrent),
+                            lengths=jnp.zeros_like(self.lengths), pending=None)
+
+    def commit(self, lengths: jax.Array, impl: str = "auto") -> "PagedKVCache":
         """The one place a step's outcome enters the cache: each sequence now holds ``lengths``
         [batch] committed tokens. K/V written past them (a rejected draft's) is simply never read
-        and is overwritten later: lengths, not copies."""
-        return self.replace(lengths=lengths.astype(jnp.int32))
+        and is overwritten later: lengths, not copies. The recurrent layers fold in the first
+        lengths - self.lengths tokens of the block the last forward ran (it started at
+        ``self.lengths``), from their pre-forward states: ``lengths`` may not be below
+        ``self.lengths`` (a state is never rolled back past a commit)."""
+        lengths = lengths.astype(jnp.int32)
+        if self.pending is None:
+            return self.replace(lengths=lengths)
+        counts = lengths - self.lengths
+        conv, recurrent = list(self.conv), list(self.recurrent)
+        for index, block in enumerate(self.pending):
+            if block is not None:
+                conv[index], recurrent[index] = gated_deltanet.advance(block, conv[index], recurrent[index], counts,
+                                                                       impl)
+        return self.replace(lengths=lengths, conv=tuple(conv), recurrent=tuple(recurrent), pending=None)
 
 
 def allocate_pages(tokens_per_seq: list[int], page_size: int, num_pages: int | None = None,
@@ -91,21 +135,40 @@ def allocate_pages(tokens_per_seq: list[int], page_size: int, num_pages: int | N
     return table, num_pages
 
 
-def kv_layers(config: ModelConfig | None) -> tuple[AttentionSpec, ...]:
-    """The attention of each of ``config``'s layers that keeps K/V pages (none for None)."""
+def mixers(config: ModelConfig | None) -> tuple[AttentionSpec | GatedDeltaNetSpec, ...]:
+    """The mixer of each of ``config``'s layers, which sizes its cache pools (none for None)."""
     return () if config is None else tuple(layer.mixer for layer in config.layers)
+
+
+def state_bytes_per_sequence(config: ModelConfig) -> int:
+    """Bytes of recurrent and conv state one sequence holds in ``config``'s Gated DeltaNet layers."""
+    return sum(config.layers[i].mixer.state_bytes for i in config.recurrent_layers)
 
 
 def init_cache(target: ModelConfig | None, draft: ModelConfig | None, page_table: np.ndarray, num_pages: int,
                page_size: int, dtype, fill: float = 0.0) -> PagedKVCache:
-    """Zeroed (or ``fill``-ed: tests poison with NaN) pages for every attention layer of the
-    target and then of the draft's layer stack (either may be None: a target alone, or a draft
-    trained over its own context)."""
-    ks, vs = [], []
-    for spec in kv_layers(target) + kv_layers(draft):
-        shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-        ks.append(jnp.full(shape, fill, dtype))
-        vs.append(jnp.full(shape, fill, dtype))
+    """Zeroed (or ``fill``-ed: tests poison with NaN) pages for every attention layer and states
+    for every Gated DeltaNet layer of the target and then of the draft's layer stack (either may
+    be None: a target alone, or a draft trained over its own context). A prefill empties the
+    sequences it starts (``emptied``)."""
     batch = page_table.shape[0]
-    return PagedKVCache(k=tuple(ks), v=tuple(vs), page_table=jnp.asarray(page_table, jnp.int32),
-                        lengths=jnp.zeros((batch,), jnp.int32), num_target_layers=len(kv_layers(target)))
+    ks, vs, conv, recurrent = [], [], [], []
+    for spec in mixers(target) + mixers(draft):
+        if isinstance(spec, AttentionSpec):
+            shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+            ks.append(jnp.full(shape, fill, dtype))
+            vs.append(jnp.full(shape, fill, dtype))
+            conv.append(None)
+            recurrent.append(None)
+        else:
+            ks.append(None)
+            vs.append(None)
+            conv.append(jnp.full((batch, spec.conv_kernel - 1, spec.conv_dim), fill, dtype))
+            recurrent.append(jnp.full((batch, spec.num_value_heads, spec.key_dim, spec.value_dim), fill,
+                                      jnp.float32))
+    if all(k is None for k in ks):
+        raise ValueError("a cache needs at least one attention layer (pages hold the draft's context and "
+                         "the target's K/V)")
+    return PagedKVCache(k=tuple(ks), v=tuple(vs), conv=tuple(conv), recurrent=tuple(recurrent),
+                        page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.zeros((batch,), jnp.int32),
+                        num_target_layers=len(mixers(target)))

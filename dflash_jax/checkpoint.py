@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config, read_json
 from dflash_jax.families import get as get_family
-from dflash_jax.families.tensors import Slot, draft_slots, target_slots
+from dflash_jax.families.tensors import Slot, column_index, column_width, draft_slots, target_slots
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 
 PARAMS_DIR = "params"          # orbax checkpoints inside a converted folder, one per group of leaves
@@ -162,7 +162,7 @@ def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ign
             if buffer is None:
                 buffer = buffers[slot.path] = np.empty(shapes[slot.path], array.dtype)
             view = buffer if slot.expert is None else buffer[slot.expert]
-            view[..., slice(*(slot.columns or (None, None)))] = array
+            view[..., column_index(slot.columns)] = array
             del array
             parts_left[slot.path] -= 1
             if parts_left[slot.path]:
@@ -177,12 +177,13 @@ def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ign
 
 
 def host_layout(array, transposed: bool, dtype, what: str) -> np.ndarray:
-    """``array`` (host or device) as a contiguous host array of ``dtype``, transposed if asked;
-    CheckpointError naming ``what`` when a cast to float16 overflows (bfloat16 and float32 hold
-    every finite float16/bfloat16 value, so only float16 can turn weights into inf)."""
+    """``array`` (host or device) as a contiguous host array of ``dtype``, its last two axes
+    swapped if ``transposed``; CheckpointError naming ``what`` when a cast to float16 overflows
+    (bfloat16 and float32 hold every finite float16/bfloat16 value, so only float16 can turn
+    weights into inf)."""
     source = np.asarray(array)
     with np.errstate(over="ignore"):
-        out = np.ascontiguousarray(source.T if transposed else source, dtype=dtype)
+        out = np.ascontiguousarray(np.swapaxes(source, -1, -2) if transposed else source, dtype=dtype)
     if out.dtype == np.float16 and np.isinf(out).sum() > np.isinf(source).sum():
         raise CheckpointError(f"{what} has values beyond float16's range "
                               f"(max |x| {float(np.abs(source).max()):.4g}); use bfloat16 or float32")
@@ -197,12 +198,20 @@ def _target_source(directory: Path, dtype, progress: bool) -> tuple[ModelConfig,
     """(config, params structure, leaf stream) of an HF target folder of any family."""
     config = load_target_config(directory)
     names = get_family(config.family).names
+    tensor_names = [name for name, _, _ in iter_tensors(directory)]
+    unused = [name for name in tensor_names if names.is_ignored(name)]
+    if unused:
+        prefixes = sorted({prefix for prefix in names.ignored for name in unused if name.startswith(prefix)})
+        print(f"{directory}: skipping {len(unused)} tensors this library does not use "
+              f"({', '.join(p + '*' for p in prefixes)}): text generation only", file=sys.stderr)
     # A tied checkpoint may still carry a copy of lm_head: checked once the embedding is read.
-    ignored = lambda name: _rotary(name) or (name == names.lm_head and config.tie_word_embeddings)  # noqa: E731
+    ignored = lambda name: (_rotary(name) or names.is_ignored(name)  # noqa: E731
+                            or (name == names.lm_head and config.tie_word_embeddings))
+    stacked = any(name.endswith(names.stacked_experts + "gate_up_proj") for name in tensor_names)
     structure = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
 
     def leaves():
-        for path, array in stream_leaves(directory, target_slots(config), structure, dtype, ignored,
+        for path, array in stream_leaves(directory, target_slots(config, stacked), structure, dtype, ignored,
                                          progress=progress):
             if path == ("embed",) and config.tie_word_embeddings:
                 _warn_if_head_differs(directory, names.lm_head, array)
@@ -317,12 +326,12 @@ def check_speculators_copies(directory: str | Path, target: TargetParams) -> Non
 
 class HFTensor(NamedTuple):
     """One HF tensor of params: ``leaf[expert][..., columns]`` (``expert`` and ``columns`` None:
-    all of it), transposed when ``transposed``. Sliced only when read (``host``), so listing a
-    checkpoint's tensors copies nothing."""
+    all of it), its last two axes swapped when ``transposed``. Sliced only when read (``host``),
+    so listing a checkpoint's tensors copies nothing."""
 
     name: str
     leaf: Any
-    columns: tuple[int, int] | None
+    columns: tuple[tuple[int, int], ...] | None
     transposed: bool
     expert: int | None = None
 
@@ -330,13 +339,13 @@ class HFTensor(NamedTuple):
     def shape(self) -> tuple[int, ...]:
         shape = tuple(self.leaf.shape[1:] if self.expert is not None else self.leaf.shape)
         if self.columns is not None:
-            shape = (*shape[:-1], self.columns[1] - self.columns[0])
-        return tuple(reversed(shape)) if self.transposed else shape
+            shape = (*shape[:-1], column_width(self.columns))
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
 
     def host(self, dtype) -> np.ndarray:
         """The tensor in HF (torch ``[out, in]``) layout as a host array of ``dtype``."""
         leaf = self.leaf if self.expert is None else self.leaf[self.expert]
-        leaf = leaf if self.columns is None else leaf[..., slice(*self.columns)]
+        leaf = leaf if self.columns is None else leaf[..., column_index(self.columns)]
         return host_layout(leaf, self.transposed, dtype, f"tensor '{self.name}'")
 
 
@@ -350,7 +359,7 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
     fused_width = collections.defaultdict(int)
     for slot in slots.values():
         if slot.columns:
-            fused_width[slot.path] = max(fused_width[slot.path], slot.columns[1])
+            fused_width[slot.path] = max(fused_width[slot.path], *(stop for _, stop in slot.columns))
     for path, width in fused_width.items():
         leaf = leaves.get(path)
         if leaf is not None and leaf.shape[-1] != width:

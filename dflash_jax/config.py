@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from dflash_jax.hf_json import ConfigError, architectures, field, int_list, read_config_json, read_json
 from dflash_jax.nn.attention import AttentionSpec
+from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
 from dflash_jax.nn.mlp import MLPSpec
 from dflash_jax.nn.moe import MoESpec
 from dflash_jax.nn.rope import RopeSpec
@@ -21,12 +22,13 @@ __all__ = ["ConfigError", "LayerSpec", "ModelConfig", "DraftConfig", "build_targ
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: pre-norm, a mixer, residual; post-norm, a feed-forward block, residual.
-    ``kind`` is HF's ``layer_types`` label; it can differ from what the mixer does (a
-    "sliding_attention" layer without a window attends fully) and DFlash drafts read it (the
-    reference makes its sliding layers causal)."""
+    """One decoder layer: pre-norm, a mixer (softmax attention, or Gated DeltaNet linear attention
+    in hybrids), residual; post-norm, a feed-forward block, residual. ``kind`` is HF's
+    ``layer_types`` label; it can differ from what the mixer does (a "sliding_attention" layer
+    without a window attends fully) and DFlash drafts read it (the reference makes its sliding
+    layers causal)."""
 
-    mixer: AttentionSpec
+    mixer: AttentionSpec | GatedDeltaNetSpec
     ffn: MLPSpec | MoESpec
     kind: str = "full_attention"
 
@@ -38,6 +40,8 @@ class ModelConfig:
 
     The per-layer specs are the truth; the properties below give the values every layer shares
     (a ConfigError when layers differ), for the code and the users that think in those terms.
+    ``zero_centred_norms``: the decoder's RMSNorm weights w (layer norms, q/k norms, final norm)
+    scale by 1 + w, as stored in the checkpoint (Qwen3.5 / Qwen3-Next).
     """
 
     family: str
@@ -48,6 +52,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
+    zero_centred_norms: bool = False
 
     def __post_init__(self):
         if not self.layers:
@@ -68,10 +73,20 @@ class ModelConfig:
         return distinct.pop()
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the softmax-attention layers (the ones that keep K/V pages)."""
+        return tuple(i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, AttentionSpec))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (the ones that keep recurrent state)."""
+        return tuple(i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, GatedDeltaNetSpec))
+
+    @property
     def attention(self) -> AttentionSpec:
-        """The attention every layer shares, less its window (``window(i)`` gives that)."""
-        return self._shared("the attention spec", (dataclasses.replace(layer.mixer, sliding_window=None)
-                                                   for layer in self.layers))
+        """The attention every attention layer shares, less its window (``window(i)`` gives that)."""
+        return self._shared("the attention spec", (dataclasses.replace(self.layers[i].mixer, sliding_window=None)
+                                                   for i in self.attention_layers))
 
     @property
     def num_heads(self) -> int:
@@ -107,12 +122,12 @@ class ModelConfig:
     @property
     def sliding_window(self) -> int | None:
         """The window of the sliding layers (None when no layer slides)."""
-        windows = {layer.mixer.sliding_window for layer in self.layers} - {None}
+        windows = {self.layers[i].mixer.sliding_window for i in self.attention_layers} - {None}
         return self._shared("sliding_window", windows) if windows else None
 
     def window(self, layer: int) -> int | None:
-        """Sliding window of a layer, None for full attention."""
-        return self.layers[layer].mixer.sliding_window
+        """Sliding window of a layer, None for full (or linear) attention."""
+        return getattr(self.layers[layer].mixer, "sliding_window", None)
 
     def with_layers(self, specs: tuple[LayerSpec, ...]) -> "ModelConfig":
         return dataclasses.replace(self, layers=tuple(specs))
@@ -131,22 +146,30 @@ def uniform_config(*, family: str = "qwen3", vocab_size: int, hidden_size: int, 
                    rope_theta: float = 1_000_000.0, rope: RopeSpec | None = None, qk_norm: bool = True,
                    layer_types: tuple[str, ...] = (), sliding_window: int | None = None,
                    ffn: MLPSpec | MoESpec | Callable[[int], MLPSpec | MoESpec] | None = None,
+                   output_gate: bool = False, linear_attention: GatedDeltaNetSpec | None = None,
                    **fields) -> ModelConfig:
     """A decoder whose layers all share one attention and one feed-forward spec (a dense SwiGLU of
     ``intermediate_size`` unless ``ffn`` says otherwise, or ``ffn(i)`` per layer), sliding where
-    ``layer_types`` says so: how tests, benchmarks and training build configs."""
+    ``layer_types`` says so, Gated DeltaNet (``linear_attention``) on "linear_attention" layers:
+    how tests, benchmarks and training build configs."""
     rope = rope or RopeSpec(theta=rope_theta, rotary_dim=head_dim)
     attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
-                              qk_norm=qk_norm)
+                              qk_norm=qk_norm, output_gate=output_gate)
     layer_types = layer_types or ("full_attention",) * num_layers
     if len(layer_types) != num_layers:
         raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     if ffn is None and intermediate_size is None:
         raise ConfigError("uniform_config needs intermediate_size (a dense MLP's width) or ffn")
     ffn = ffn or MLPSpec(intermediate_size)
-    layers = tuple(LayerSpec(dataclasses.replace(attention, sliding_window=sliding_window if kind == "sliding_attention"
-                                                 else None), ffn(i) if callable(ffn) else ffn, kind)
-                   for i, kind in enumerate(layer_types))
+    if "linear_attention" in layer_types and linear_attention is None:
+        raise ConfigError("layer_types has linear_attention layers: pass their linear_attention spec")
+
+    def mixer(kind: str):
+        if kind == "linear_attention":
+            return linear_attention
+        return dataclasses.replace(attention, sliding_window=sliding_window if kind == "sliding_attention" else None)
+
+    layers = tuple(LayerSpec(mixer(kind), ffn(i) if callable(ffn) else ffn, kind) for i, kind in enumerate(layer_types))
     return ModelConfig(family=family, vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, **fields)
 
 

@@ -79,7 +79,7 @@ class DecodeState:
     done: [B] stop token seen or max_new_tokens reached.
     max_new_tokens: [B]; stop_tokens: [B, S] (-1 padded).
     sampling: temperature and top-p as [] float32 (top-k, greedy: static, in the tree structure).
-    cache: the paged KV cache; ``cache.lengths`` counts tokens the target has committed.
+    cache: the cache; ``cache.lengths`` counts tokens the target has committed.
     steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step
         (max_steps >= every max_new_tokens: each step emits at least one).
     key: PRNG key; iteration: scalar loop iterations run.
@@ -99,6 +99,22 @@ class DecodeState:
     iteration: jax.Array
 
 
+PREFILL_CHUNK_TOKENS = 4096
+
+
+def prefill_chunk(batch: int, padded: int) -> int:
+    """Prompt positions per prefill chunk: the whole padded prompt when batch x padded fits
+    ``PREFILL_CHUNK_TOKENS``, else the largest power of two dividing ``padded`` that does (at
+    least 1). Bounds what one pass holds (activations, and a hybrid's recurrent-layer inputs
+    kept for the commit: 1 MB a token at Qwen3.5-27B)."""
+    if batch * padded <= PREFILL_CHUNK_TOKENS:
+        return padded
+    chunk = padded & -padded                               # the largest power of two dividing it
+    while chunk > 1 and batch * chunk > PREFILL_CHUNK_TOKENS:
+        chunk //= 2
+    return chunk
+
+
 def _is_stop(tokens: jax.Array, stop_tokens: jax.Array) -> jax.Array:
     """tokens [B, T] vs stop_tokens [B, S] (-1 padded) -> [B, T] bool."""
     return jnp.any((tokens[:, :, None] == stop_tokens[:, None, :]) & (stop_tokens[:, None, :] >= 0), axis=-1)
@@ -108,19 +124,36 @@ def _is_stop(tokens: jax.Array, stop_tokens: jax.Array) -> jax.Array:
 def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
             max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array,
             sampling: SamplingConfig, *, config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
-    """Run right-padded prompts [B, P] (true lengths prompt_lens [B]), pick the first token and
-    return the loop's initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps;
-    ``sampling`` as ``SamplingConfig.as_arrays`` gives it, so its values compile nothing)."""
-    batch = prompts.shape[0]
-    hidden, taps, cache = target_model.forward(target, config.target, prompts, jnp.zeros((batch,), jnp.int32),
-                                               cache, tap_layers=config.tap_layers, impl=config.impl)
-    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    """Run right-padded prompts [B, P] (true lengths prompt_lens [B]) in chunks of positions
+    (``prefill_chunk``), each committed as it ends, pick the first token and return the loop's
+    initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps; ``sampling`` as
+    ``SamplingConfig.as_arrays`` gives it, so its values compile nothing)."""
+    batch, padded = prompts.shape
+    chunk = prefill_chunk(batch, padded)
+    tap_layers = config.tap_layers if config.draft is not None else ()
+    kv_proj = None if config.draft is None else draft_model.context_kv_proj(draft)
+
+    def run_chunk(index, carry):
+        """Prompt positions [index * chunk, (index + 1) * chunk) of every row, then their commit."""
+        cache, last = carry
+        start = index * chunk
+        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
+        starts = jnp.full((batch,), start, jnp.int32)
+        hidden, taps, cache = target_model.forward(target, config.target, tokens, starts, cache,
+                                                   tap_layers=tap_layers, impl=config.impl)
+        at = prompt_lens - 1 - start                       # each row's last prompt token, if in this chunk
+        here = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(((at >= 0) & (at < chunk))[:, None], here, last)
+        if config.draft is not None:
+            positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), tokens.shape)
+            cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl,
+                                              kv_proj=kv_proj)
+        return cache.commit(jnp.minimum(prompt_lens, start + chunk), config.impl), last
+
+    last = jnp.zeros((batch, config.target.hidden_size), target.embed.dtype)
+    cache, last = jax.lax.fori_loop(0, padded // chunk, run_chunk, (cache.emptied(), last))
     key, first_key = jax.random.split(key)
     first = choose(first_key, target_model.logits(target, last), sampling)
-    if config.draft is not None:
-        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
-        cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl)
-    cache = cache.commit(prompt_lens)
     done = _is_stop(first[:, None], stop_tokens)[:, 0] | (max_new_tokens <= 1)
     return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
                        num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
@@ -202,7 +235,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
         positions = start[:, None] + slots
         cache = draft_model.write_context(draft, config.draft, taps, positions, cache, impl=config.impl,
                                           kv_proj=context_kv_proj)
-    cache = cache.commit(start + produced)
+    cache = cache.commit(start + produced, config.impl)
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), state.steps].set(produced, mode="drop")
     return state.replace(

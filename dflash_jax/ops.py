@@ -37,7 +37,7 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 # benchmarks/ab_kernels.py re-measures one op on vs off.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
                 "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": False,
-                "routed_experts": True}
+                "routed_experts": True, "gated_delta_rule": True}
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
@@ -134,14 +134,38 @@ def routed_experts(x, experts, weights, gate_up, down, *, impl):
     return pk.routed_experts(x, experts, weights, gate_up, down, **_kernel_kwargs(impl))
 
 
+RECURRENT_REFERENCE_TOKENS = 16  # up to a verify block: the reference walks tokens; beyond, the chunked form
+
+
+def gated_delta_rule(q, k, v, g, beta, state, *, with_output=True, with_state=True, impl):
+    """The gated delta rule over T tokens from ``state`` (Gated DeltaNet): q, k [B, T, Hk, dk] (raw:
+    l2-normalised inside), v [B, T, Hv, dv], g, beta [B, T, Hv] f32, state [B, Hv, dk, dv] f32 ->
+    (out [B, T, Hv, dv] or None, new state or None). The reference walks tokens one by one up to
+    a verify block's length and runs the chunked form beyond."""
+    impl = resolve_impl(impl, "gated_delta_rule")
+    kw = dict(with_output=with_output, with_state=with_state)
+    if impl == "reference":
+        if q.shape[1] <= RECURRENT_REFERENCE_TOKENS:
+            return pk.gated_delta_rule_reference(q, k, v, g, beta, state, **kw)
+        return pk.chunked_gated_delta_rule_reference(q, k, v, g, beta, state, **kw)
+    return pk.gated_delta_rule(q, k, v, g, beta, state, **kw, **_kernel_kwargs(impl))
+
+
+
 def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size: int, itemsize: int) -> None:
     """Raise before compiling when the kernels ``impl`` selects cannot run these models
     (ModelConfigs) in a dtype of ``itemsize`` bytes: the attention kernels need a power-of-two
     head_dim >= 16 and page size, block <= 128, and one page of K/V beside the draft block in
     shared memory; the norm+RoPE kernels rotary tables of a power-of-two width; the projection
-    and routed-experts kernels widths that are multiples of 16."""
+    and routed-experts kernels widths that are multiples of 16; the gated delta rule kernels
+    power-of-two head dims >= 16."""
+    from dflash_jax.nn.attention import AttentionSpec  # here: nn modules themselves call into this module
+    from dflash_jax.nn.mlp import MLPSpec
+    from dflash_jax.nn.moe import MoESpec
+
     power_of_two = pk_tuning.is_power_of_2
-    specs = sorted({layer.mixer for config in configs for layer in config.layers}, key=repr)
+    specs = sorted({layer.mixer for config in configs for layer in config.layers
+                    if isinstance(layer.mixer, AttentionSpec)}, key=repr)
     problems = []
     if resolve_impl(impl, "verify_attention") != "reference":
         for head_dim in sorted({spec.head_dim for spec in specs}):
@@ -168,9 +192,13 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
             if not (power_of_two(width) and (spec.head_dim // 2) % width == 0):
                 problems.append(f"rotary dimension {spec.rope.rotary_dim} of head_dim {spec.head_dim} (the norm+RoPE "
                                 "kernels need half of it to be a power of two dividing head_dim / 2)")
-    from dflash_jax.nn.mlp import MLPSpec  # here: nn.mlp and nn.moe themselves call into this module
-    from dflash_jax.nn.moe import MoESpec
-
+    if resolve_impl(impl, "gated_delta_rule") != "reference":
+        for config in configs:
+            for i in config.recurrent_layers:
+                spec = config.layers[i].mixer
+                problems += [f"linear attention {name} {size} (the gated delta rule kernels need a power of two >= 16)"
+                             for name, size in (("key_dim", spec.key_dim), ("value_dim", spec.value_dim))
+                             if not (power_of_two(size) and size >= 16)]
     if resolve_impl(impl, "routed_experts") != "reference":
         for config in configs:
             widths = {layer.ffn.intermediate_size for layer in config.layers if isinstance(layer.ffn, MoESpec)}
@@ -184,9 +212,15 @@ def check_kernel_shapes(impl: AttentionImpl, configs, page_size: int, block_size
         for config in configs:
             widths[f"hidden_size {config.hidden_size}"] = config.hidden_size
             for layer in config.layers:
-                widths[f"num_heads * head_dim {layer.mixer.q_size}"] = layer.mixer.q_size
+                if isinstance(layer.mixer, AttentionSpec):
+                    widths[f"num_heads * head_dim {layer.mixer.q_size}"] = layer.mixer.q_size
+                else:
+                    widths[f"linear value heads * dim {layer.mixer.value_size}"] = layer.mixer.value_size
                 if isinstance(layer.ffn, MLPSpec):  # routed experts do not use this kernel
                     widths[f"intermediate_size {layer.ffn.intermediate_size}"] = layer.ffn.intermediate_size
+                elif layer.ffn.shared_intermediate_size is not None:  # a shared expert does
+                    width = layer.ffn.shared_intermediate_size
+                    widths[f"shared_expert_intermediate_size {width}"] = width
         problems += [f"{name} (the projection kernel needs a multiple of 16)"
                      for name, value in widths.items() if value % 16]
     if problems:

@@ -1,5 +1,6 @@
-"""A target of any family over the paged KV cache: prefill, decode and verify are one function,
-the embedding, the shared decoder (``nn.decoder``) with paged causal attention, and the head."""
+"""A target of any family over the cache: prefill, decode and verify are one function, the
+embedding, the shared decoder (``nn.decoder``) with paged causal attention (and, in hybrids,
+Gated DeltaNet layers continuing their recurrent states), and the head."""
 
 from __future__ import annotations
 
@@ -8,19 +9,24 @@ import jax.numpy as jnp
 
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.nn import attention, decoder
+from dflash_jax.nn import attention, decoder, gated_deltanet
+from dflash_jax.nn.attention import AttentionSpec
 from dflash_jax.params import TargetParams
 from pallas_kernels import rms_norm
 
 
 def paged_attend(eps: float, impl: str) -> decoder.Attend:
-    """The target's ``attend``: write the tokens' K/V into layer ``index``'s pages, then attend
-    causally over them; the threaded state is the cache."""
+    """The target's ``attend``: an attention layer writes the tokens' K/V into its pages, then
+    attends causally over them; a Gated DeltaNet layer continues its committed states and records
+    the block's inputs for the commit. The threaded state is the cache."""
 
-    def attend(cache: PagedKVCache, index, spec, params, qkv, positions):
-        out, k_pages, v_pages = attention.paged_causal(qkv, params, spec, positions, *cache.layer(index),
-                                                       cache.page_table, eps, impl)
-        return out, cache.replace_layer(index, k_pages, v_pages)
+    def attend(cache: PagedKVCache, index, spec, params, projected, positions):
+        if isinstance(spec, AttentionSpec):
+            out, k_pages, v_pages = attention.paged_causal(projected, params, spec, positions, *cache.layer(index),
+                                                           cache.page_table, eps, impl)
+            return out, cache.replace_layer(index, k_pages, v_pages)
+        out, pending = gated_deltanet.mix(projected, params, spec, cache.conv[index], cache.recurrent[index], impl)
+        return out, cache.record(index, pending)
 
     return attend
 
@@ -33,13 +39,16 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
     Returns the final-normed hidden states [B, T, H], the outputs of ``tap_layers`` (HF
     ``hidden_states[k + 1]``; for the last layer that is the final-normed state) concatenated on
     the feature axis [B, T, len(tap_layers) * H] (None when no taps), and the cache. The cache's
-    ``lengths`` are not changed: committing is the caller's decision.
+    ``lengths`` and recurrent states are not changed: committing is the caller's decision
+    (``cache.commit``; the block must start at ``cache.lengths`` when the target has recurrent
+    layers).
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     eps = config.rms_norm_eps
     x, outputs, cache = decoder.run(params.layers, config.layers, params.embed[tokens], positions,
-                                    paged_attend(eps, impl), cache, eps=eps, impl=impl, tap_layers=tap_layers)
-    normed = rms_norm(x, params.norm, eps)
+                                    paged_attend(eps, impl), cache, eps=eps, impl=impl, tap_layers=tap_layers,
+                                    zero_centred_norms=config.zero_centred_norms)
+    normed = rms_norm(x, decoder.norm_scale(params.norm) if config.zero_centred_norms else params.norm, eps)
     # HF's hidden_states[L] (what the z-lab reference taps for the last layer) is the final-normed
     # state, not the raw output of the last decoder layer.
     if config.num_layers - 1 in outputs:

@@ -72,11 +72,15 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """chat_template.jinja (where newer transformers save it), else tokenizer_config.json's;
-        read when a chat is rendered, so a broken template does not stop plain prompts."""
+        """chat_template.jinja (where newer transformers save it), else tokenizer_config.json's,
+        else chat_template.json's (a multimodal release's processor template, Qwen3.5's); read
+        when a chat is rendered, so a broken template does not stop plain prompts."""
         template_file = self.directory / "chat_template.jinja"
         if template_file.is_file():
             return template_file.read_text(encoding="utf-8")
+        if self.config.get("chat_template") is None and (self.directory / "chat_template.json").is_file():
+            processor = self.directory / "chat_template.json"
+            return _default_template(json.loads(processor.read_text(encoding="utf-8")).get("chat_template"), processor)
         return _default_template(self.config.get("chat_template"), self.directory / "tokenizer_config.json")
 
     def apply_chat_template(self, messages: str | list[dict], *, enable_thinking: bool | None = None) -> str:

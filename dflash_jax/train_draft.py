@@ -81,14 +81,19 @@ class DraftTrainConfig:
 def new_draft_config(target: ModelConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                      target_layer_ids: Sequence[int] | None = None) -> DraftConfig:
     """A fresh z-lab draft for ``target`` of any family: Qwen3 layers (q/k norms) with the
-    target's attention shape, RoPE and biases, full attention, and a dense MLP as wide as the
+    target's attention shape, RoPE (on whole heads: a Qwen3 layer has no partial rotary or output
+    gate, which hybrids' attention has; z-lab's own Qwen3.5 drafts use 32 x 128 heads instead of
+    the target's 24 x 256) and biases, full attention, and a dense MLP as wide as the
     target's (for an all-MoE target, as wide as the experts a token runs: top_k x the expert
     width, 6144 for Qwen3-30B-A3B, which z-lab's drafts for it use)."""
     ids = tuple(target_layer_ids) if target_layer_ids else build_target_layer_ids(target.num_layers, num_layers)
     dense = [layer.ffn for layer in target.layers if isinstance(layer.ffn, MLPSpec)]
     routed = next((layer.ffn for layer in target.layers if isinstance(layer.ffn, MoESpec)), None)
     width = target.intermediate_size if dense else routed.top_k * routed.intermediate_size
-    layer = LayerSpec(dataclasses.replace(target.attention, qk_norm=True), MLPSpec(width))
+    attention = target.attention
+    attention = dataclasses.replace(attention, qk_norm=True, output_gate=False,
+                                    rope=dataclasses.replace(attention.rope, rotary_dim=attention.head_dim))
+    layer = LayerSpec(attention, MLPSpec(width))
     model = ModelConfig(family="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                         layers=(layer,) * num_layers, rms_norm_eps=target.rms_norm_eps,
                         tie_word_embeddings=target.tie_word_embeddings,

@@ -16,6 +16,8 @@ from pallas_kernels.fused_matmul import finish_projection, fused_matmul, fused_m
 from pallas_kernels.routed_experts import routed_experts, routed_experts_reference
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
+from pallas_kernels.gated_delta import (chunked_gated_delta_rule_reference, gated_delta_rule,
+                                        gated_delta_rule_reference)
 
 __all__ = [
     "gather_pages",
@@ -41,4 +43,7 @@ __all__ = [
     "paged_verify_attention_reference",
     "paged_draft_attention",
     "paged_draft_attention_reference",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
+    "chunked_gated_delta_rule_reference",
 ]

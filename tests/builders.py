@@ -93,14 +93,74 @@ def qwen3_moe_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_hea
                           attn_implementation="eager")
 
 
+def hybrid_text_fields(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int = 16,
+                       intermediate: int | None = None, tie: bool = False, rope_theta: float = 1e4,
+                       partial_rotary: float = 0.25, layer_types=None, linear_heads=(2, 4), linear_dims=(16, 16),
+                       experts: int | None = None, top_k: int = 2, expert_width: int = 32, shared_width: int = 48,
+                       eps: float = 1e-6, max_position: int = 4096, **moe) -> dict:
+    """The decoder fields of a Qwen3.5 / Qwen3-Next hybrid (linear attention with
+    ``linear_heads`` (key, value) heads of ``linear_dims`` (key, value) dims; routed experts with
+    a shared one when ``experts``)."""
+    fields = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  tie_word_embeddings=tie, rms_norm_eps=eps, max_position_embeddings=max_position,
+                  rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta),
+                                   "partial_rotary_factor": partial_rotary},
+                  linear_num_key_heads=linear_heads[0], linear_num_value_heads=linear_heads[1],
+                  linear_key_head_dim=linear_dims[0], linear_value_head_dim=linear_dims[1], linear_conv_kernel_dim=4)
+    if layer_types is not None:
+        fields["layer_types"] = list(layer_types)
+    if experts is not None:
+        fields.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width,
+                      shared_expert_intermediate_size=shared_width, **moe)
+    return fields
+
+
+# A vision tower as small as transformers allows: releases carry one, the loader must skip it.
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+
+
+def hybrid_config(family: str, **arch):
+    """A Qwen3.5-family config: ``qwen3_5`` / ``qwen3_5_moe`` text-only (ForCausalLM),
+    ``qwen3_5_release`` / ``qwen3_5_moe_release`` as released (ForConditionalGeneration with a
+    tiny vision tower), ``qwen3_next``."""
+    import transformers
+
+    fields = hybrid_text_fields(**arch)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**fields, attn_implementation="eager")
+    moe = "moe" in family
+    if family.endswith("_release"):
+        config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+        vision = dict(TINY_VISION, out_hidden_size=fields["hidden_size"])
+        config = config_class(text_config=fields, vision_config=vision, tie_word_embeddings=fields["tie_word_embeddings"])
+    else:
+        config_class = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+        config = config_class(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+HYBRID_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+                 "qwen3_5_release": "Qwen3_5ForConditionalGeneration",
+                 "qwen3_5_moe_release": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM"}
 FAMILY_CONFIGS = {"qwen3": qwen3_config, "llama": llama_config, "qwen3_moe": qwen3_moe_config}
+
+
+def decoder_layers(model):
+    """The decoder layers of a causal LM or a release (ForConditionalGeneration)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
 
 
 def make_target(*, seed: int = 0, std: float = 0.02, embed_std: float = 1.0, family: str = "qwen3", **config):
     """A causal LM of ``family`` (f32, eval) with seeded random weights."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[family](**config)).eval()
+    if family in HYBRID_MODELS:
+        model = getattr(transformers, HYBRID_MODELS[family])(hybrid_config(family, **config)).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[family](**config)).eval()
     return fill_random(model, seed, std=std, embed_std=embed_std)
 
 
@@ -146,7 +206,7 @@ def make_zlab_draft(target, *, layers: int = 2, block_size: int = 16, mask_token
     seeded random weights; ``rope`` replaces its default RoPE (a llama3 one, as LLaMA drafts)."""
     from dflash.model import DFlashDraftModel
 
-    tcfg = target.config
+    tcfg = target.config.get_text_config()
     cfg = qwen3_config(vocab=tcfg.vocab_size, hidden=tcfg.hidden_size, layers=layers, heads=heads,
                        kv_heads=kv_heads, head_dim=head_dim, intermediate=tcfg.intermediate_size,
                        rope_theta=rope_theta, layer_types=layer_types, sliding_window=sliding_window,
@@ -224,19 +284,19 @@ def save_speculators_draft(draft, target, path, *, selected_ids=None) -> Path:
     return path
 
 
-def _rope_freqs(module, theta: float, head_dim: int) -> np.ndarray:
-    """The inverse frequencies a model's RoPE rotates by: theta ** (-2i / head_dim) in float64 for
-    plain RoPE (what the Qwen3 pairs were built with), else its own scaled ones (llama3)."""
+def _rope_freqs(module, theta: float, rotary_dim: int) -> np.ndarray:
+    """The inverse frequencies a model's RoPE rotates by: theta ** (-2i / rotary_dim) in float64
+    for plain RoPE (what the Qwen3 pairs were built with), else its own scaled ones (llama3)."""
     rotary = module.rotary_emb
     if getattr(rotary, "rope_type", "default") == "default":
-        return theta ** (-np.arange(head_dim // 2) * 2.0 / head_dim)
+        return theta ** (-np.arange(rotary_dim // 2) * 2.0 / rotary_dim)
     return rotary.inv_freq.double().numpy()
 
 
 def _rope_peak_query(head_dim: int, freqs: np.ndarray, offset: int, amplitude: float, pairs: int) -> np.ndarray:
     """q with q . rope(k) maximal when q_pos - k_pos == offset, for k = ones on the first ``pairs``
-    rotary pairs (HF rotate_half layout: pair j is dims j and j + head_dim/2)."""
-    half = head_dim // 2
+    rotary pairs (HF rotate_half layout: pair j is dims j and j + rotary_dim/2)."""
+    half = len(freqs)
     q = np.zeros(head_dim)
     q[:pairs] = amplitude * np.cos(offset * freqs[:pairs])
     q[half:half + pairs] = -amplitude * np.sin(offset * freqs[:pairs])
@@ -262,10 +322,12 @@ def _copy_head(attn, *, hidden: int, head_dim: int, freqs: np.ndarray, offset: i
             if proj.bias is not None:
                 proj.bias.zero_()
         if hasattr(attn, "q_norm"):
+            # (a gated attention's q_proj also yields its gate: 1 here, so sigmoid(gate) ~ 1)
             attn.q_proj.weight[:, 0] = 1.0
             attn.k_proj.weight[:, 0] = 1.0
-            attn.q_norm.weight.copy_(peak)
-            attn.k_norm.weight.copy_(k)
+            centre = 1.0 if type(attn.q_norm).__name__ in ZERO_CENTRED_NORMS else 0.0  # they scale by 1 + w
+            attn.q_norm.weight.copy_(peak - centre)
+            attn.k_norm.weight.copy_(k - centre)
         else:
             attn.q_proj.weight[:, 0] = peak.repeat(attn.q_proj.weight.shape[0] // head_dim) / input_dim0
             attn.k_proj.weight[:, 0] = k.repeat(attn.k_proj.weight.shape[0] // head_dim) / input_dim0
@@ -273,19 +335,21 @@ def _copy_head(attn, *, hidden: int, head_dim: int, freqs: np.ndarray, offset: i
         assert kv_dims >= code_dims
         for i in range(code_dims):
             attn.v_proj.weight[i, 1 + i] = 1.0
-        group = attn.q_proj.weight.shape[0] // kv_dims    # q heads per kv head
+        group = attn.o_proj.weight.shape[1] // kv_dims    # q heads per kv head
         for i in range(code_dims):
             kv_head, within = divmod(i, head_dim)
             q_head = kv_head * group                       # first q head reading that kv head
             attn.o_proj.weight[1 + i, q_head * head_dim + within] = gain
 
 
+ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 COPY_THETA = 1e4   # rope theta of the copy construction (its high frequencies make the offset peak sharp)
 CODE_DIMS = 32     # hidden dims 1..32 carry a token's identity code
 
 
 def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, head_noise: float = 0.45,
-                     gain: float = 1.0, mask_token_id: int = 127, family: str = "qwen3", **family_kwargs):
+                     gain: float = 1.0, mask_token_id: int = 127, family: str = "qwen3", linear_noise: float = 0.0,
+                     **family_kwargs):
     """A target of ``family`` (V 128, H 64, 4 layers, 4/2 heads, head_dim 16, rope 1e4; LLaMA:
     its test llama3 RoPE; MoE: random experts) that continues a prompt (of at least ``period``
     tokens) by copying the token ``period`` positions back, with deterministic content-dependent
@@ -294,10 +358,18 @@ def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, hea
     Hidden dim 0 is a constant (every embedding has 1 there) that the copy head's queries and keys
     read, so its attention pattern depends only on relative position (RoPE); dims 1..32 hold a
     random unit code per token that the copy head moves and the LM head reads. The mask token has
-    no code. Every other weight is small random noise, so every weight still matters."""
+    no code. Every other weight is small random noise, so every weight still matters. A hybrid's
+    layer 1 is its attention (the others Gated DeltaNet, whose output projections get
+    ``linear_noise`` so that their recurrent states move the output)."""
     vocab, hidden, head_dim = 128, 64, 16
+    if family in HYBRID_MODELS:
+        family_kwargs = {"layer_types": ("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                         "partial_rotary": 0.5, **family_kwargs}
     target = make_target(seed=seed, std=noise, vocab=vocab, hidden=hidden, layers=4, heads=4, kv_heads=2,
                          head_dim=head_dim, rope_theta=COPY_THETA, family=family, **family_kwargs)
+    layers = decoder_layers(target)
+    text = target.config.get_text_config()
+    rotary_dim = int(head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0))
     rng = np.random.default_rng(seed + 1000)
     codes = rng.standard_normal((vocab, CODE_DIMS))
     codes /= np.linalg.norm(codes, axis=1, keepdims=True)
@@ -308,10 +380,16 @@ def make_copy_target(*, period: int = 6, seed: int = 0, noise: float = 0.02, hea
         embed[:, 1:1 + CODE_DIMS] = torch.tensor(codes, dtype=torch.float32)
         embed[mask_token_id, 1:1 + CODE_DIMS] = 0.0
         # hidden dim 0 after layer 1's input norm: 1 / rms(embedding), |embedding|^2 ~ 2
-        input_dim0 = float(target.model.layers[1].input_layernorm.weight[0]) * (hidden / 2) ** 0.5
-        _copy_head(target.model.layers[1].self_attn, hidden=hidden, head_dim=head_dim,
-                   freqs=_rope_freqs(target.model, COPY_THETA, head_dim), offset=period - 1, code_dims=CODE_DIMS,
-                   gain=gain, input_dim0=input_dim0)
+        input_dim0 = float(layers[1].input_layernorm.weight[0]) * (hidden / 2) ** 0.5
+        inner = getattr(target.model, "language_model", target.model)
+        _copy_head(layers[1].self_attn, hidden=hidden, head_dim=head_dim,
+                   freqs=_rope_freqs(inner, COPY_THETA, rotary_dim), offset=period - 1, code_dims=CODE_DIMS,
+                   gain=gain, input_dim0=input_dim0, pairs=min(3, rotary_dim // 2))
+        rng_linear = np.random.default_rng(seed + 2000)
+        for layer in layers:
+            if hasattr(layer, "linear_attn") and linear_noise:
+                out = layer.linear_attn.out_proj.weight
+                out.copy_(torch.tensor(linear_noise * rng_linear.standard_normal(tuple(out.shape)), dtype=torch.float32))
         head = output_head_weight(target)
         head.copy_(torch.tensor(head_noise * rng.standard_normal((vocab, hidden)), dtype=torch.float32))
         head[:, 1:1 + CODE_DIMS] += torch.tensor(codes, dtype=torch.float32)
@@ -329,7 +407,7 @@ def make_copy_draft(target, *, period: int = 6, seed: int = 100, noise: float = 
                   mask_token_id=127, seed=seed, std=noise)
     kwargs.update(draft_kwargs)
     draft = make_zlab_draft(target, **kwargs)
-    hidden = target.config.hidden_size
+    hidden = target.config.get_text_config().hidden_size
     with torch.no_grad():
         fc = draft.fc.weight
         fc.mul_(0.1)

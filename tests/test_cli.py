@@ -198,6 +198,18 @@ def test_tokenizer_side_file_forms(tmp_path):
     assert tokenizer.stop_token_ids == [0]
 
 
+def test_chat_template_from_a_multimodal_release_s_chat_template_json(tmp_path):
+    """A release whose template lives only in chat_template.json (a processor's, as Qwen3.5's
+    multimodal releases save it) renders it; tokenizer_config.json's wins where both have one."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    folder = _tokenizer_folder(tmp_path, chat_template=json.dumps({"chat_template": "<u>{{ messages[0].content }}"}),
+                               tokenizer_config="{}")
+    assert Tokenizer(folder).apply_chat_template("hi") == "<u>hi"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<v>{{ messages[0].content }}"}))
+    assert Tokenizer(folder).apply_chat_template("hi") == "<v>hi"
+
+
 def test_chat_template_generation_tag_and_special_tokens_map(tmp_path):
     """As transformers renders them: {% generation %} (assistant-only-loss templates) renders its
     body, and special tokens named only in special_tokens_map.json reach the template

@@ -195,7 +195,9 @@ def test_load_target_config_checks_model_type(tmp_path):
     raw = {**qwen3_raw(model_type="mistral"), "architectures": ["MistralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"architecture MistralForCausalLM is not supported \(supported: "
-                                          r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM\)"):
+                                          r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
+                                          r"Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, "
+                                          r"Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM\)"):
         load_target_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": None}))
     with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
@@ -415,3 +417,21 @@ def test_sliding_window_follows_transformers_semantics():
         assert ours.sliding_window == hf.sliding_window
         assert [ours.window(i) for i in range(4)] == [
             hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+
+
+@pytest.mark.parametrize("block_inside", [False, True], ids=["block-top-level", "block-in-dflash-config"])
+def test_a_qwen36_draft_config_parses_as_published(block_inside):
+    """z-lab's Qwen3.6-27B draft as published: mask 248070, taps into a 64-layer hybrid, sliding
+    (2048) layers before a full one, block_size at the top level or inside dflash_config; its
+    sliding layers are causal, as the reference runs them."""
+    dflash = {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}
+    raw = zlab_raw(hidden_size=5120, intermediate_size=17408, num_target_layers=64, vocab_size=248320,
+                   rope_theta=10000000, use_sliding_window=True, sliding_window=2048, max_window_layers=0,
+                   layer_types=["sliding_attention"] * 4 + ["full_attention"], dflash_config=dflash)
+    if block_inside:
+        dflash["block_size"] = raw.pop("block_size")
+    config = DraftConfig.from_hf(raw)
+    assert (config.block_size, config.mask_token_id, config.target_layer_ids) == (16, 248070, (1, 16, 31, 46, 61))
+    assert config.model.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
+    assert [config.model.window(i) for i in range(5)] == [2048] * 4 + [None]
+    assert config.causal_layers == (True,) * 4 + (False,)

@@ -165,13 +165,18 @@ FAMILY_FOLDERS = {
     "llama": dict(family="llama", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, bias=True),
     "qwen3_moe": dict(family="qwen3_moe", vocab=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8,
                       experts=4, top_k=2, expert_width=16, mlp_only_layers=(1,)),
+    # a release (vision tower skipped, not exported) and Qwen3-Next's interleaved fused projections
+    # (weights of std 0.1: at 0.3 their recurrent layers' f32 rounding reaches 4e-5 of the logits)
+    "qwen3_5_release": dict(family="qwen3_5_release", vocab=64, hidden=32, layers=4, heads=2, kv_heads=1, std=0.1),
+    "qwen3_next": dict(family="qwen3_next", vocab=64, hidden=32, layers=4, heads=2, kv_heads=1, linear_heads=(2, 4),
+                       experts=4, top_k=2, expert_width=16, mlp_only_layers=[1], std=0.1),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_FOLDERS))
 def family_folder(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    hf = make_target(seed=3, std=0.3, **FAMILY_FOLDERS[request.param])
+    hf = make_target(seed=3, **{"std": 0.3, **FAMILY_FOLDERS[request.param]})
     save_target(hf, root / "hf", rope_style="scaling" if request.param == "llama" else "parameters")
     return hf, root / "hf"
 
@@ -207,13 +212,14 @@ def test_conversion_round_trip_is_bit_exact(family_folder, tmp_path):
 
 
 def test_export_round_trip_loads_in_transformers(family_folder, tmp_path):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     hf, src = family_folder
     target = load_target(src, "float32")
     out = export_target(target.config, target.params, tmp_path / "exported", max_shard_mb=1)
     assert load_target(out, "float32").config == target.config
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    architecture = getattr(transformers, families.get(target.config.family).architectures[0])
+    reloaded = architecture.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     assert type(reloaded) is type(hf)
     tokens = list(range(5, 25))
     np.testing.assert_array_equal(_logits(reloaded, tokens), _logits(hf, tokens))
@@ -339,6 +345,65 @@ def test_bad_family_configs_are_refused_by_name(family, overrides, message):
         ModelConfig.from_hf(raw)
 
 
+HYBRID_ARCH = dict(vocab=64, hidden=32, layers=4, heads=2, kv_heads=1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "unknown layer type 'sliding_attention'"),
+    (dict(layer_types=["linear_attention"] * 3), "layer_types has 3 entries for 4 layers"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    (dict(linear_key_head_dim=None), "required field 'linear_key_head_dim'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}),
+     r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(layer_types=None, full_attention_interval=0), "full_attention_interval must be >= 1"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+], ids=["layer-type", "layer-count", "value-heads", "key-dim", "partial-rotary", "interval", "act"])
+@pytest.mark.parametrize("release", [False, True], ids=["text-only", "release"])
+def test_bad_hybrid_configs_are_refused_by_name(overrides, message, release):
+    from builders import hybrid_config
+
+    raw = hybrid_config("qwen3_5_release" if release else "qwen3_5", **HYBRID_ARCH).to_dict()
+    text = raw["text_config"] if release else raw
+    for key, value in overrides.items():
+        text.pop(key, None) if value is None else text.__setitem__(key, value)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(raw)
+
+
+def test_a_qwen35_27b_release_config_parses():
+    """config.json as the Qwen3.5-27B release writes it: text_config, full_attention_interval,
+    mrope sections (1-D for text), partial rotary, the tie flag at the top level."""
+    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
+           "vision_config": {"depth": 27, "hidden_size": 1152},
+           "text_config": {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+                           "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+                           "intermediate_size": 17408, "vocab_size": 248320, "linear_num_key_heads": 16,
+                           "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                           "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+                           "max_position_embeddings": 262144, "eos_token_id": 248044, "hidden_act": "silu",
+                           "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                               "rope_type": "default", "rope_theta": 10000000,
+                                               "partial_rotary_factor": 0.25}}}
+    config = ModelConfig.from_hf(raw)
+    assert config.family == "qwen3_5_release" and config.zero_centred_norms and not config.tie_word_embeddings
+    assert len(config.recurrent_layers) == 48 and config.attention_layers == tuple(range(3, 64, 4))
+    attention = config.attention
+    assert (attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.output_gate) == (24, 4, 256, True)
+    assert (attention.rope.rotary_dim, attention.rope.theta) == (64, 1e7)
+    assert config.layers[0].mixer.state_bytes == 48 * 128 * 128 * 4 + 3 * 10240 * 2
+    assert config.eos_token_ids == (248044,)
+
+
+def test_hybrid_layer_kinds_from_the_full_attention_interval():
+    """Without layer_types, layer i is full attention iff (i + 1) % full_attention_interval == 0."""
+    from builders import hybrid_config
+
+    raw = hybrid_config("qwen3_5", **{**HYBRID_ARCH, "layers": 6}).to_dict()
+    raw.pop("layer_types")
+    raw["full_attention_interval"] = 3
+    assert ModelConfig.from_hf(raw).recurrent_layers == (0, 1, 3, 4)
+
+
 @pytest.mark.parametrize("overrides", [dict(num_local_experts=0), dict(mlp_only_layers=[0, 1, 2])],
                          ids=["no-experts", "every-layer-dense"])
 def test_a_moe_config_with_no_sparse_layer_is_all_dense_and_round_trips(overrides):
@@ -356,9 +421,11 @@ def test_a_moe_config_with_no_sparse_layer_is_all_dense_and_round_trips(override
 def test_unknown_architecture_lists_the_supported_ones():
     raw = {**_raw("llama"), "architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
     with pytest.raises(ConfigError, match=r"architecture GemmaForCausalLM is not supported \(supported: "
-                                          r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM\)"):
+                                          r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, "
+                                          r"Qwen3_5ForCausalLM, .*, Qwen3NextForCausalLM\)"):
         ModelConfig.from_hf(raw)
     assert families.find_family({"model_type": "llama"}).name == "llama"  # model_type alone suffices
+    assert families.find_family({"model_type": "qwen3_5"}).name == "qwen3_5_release"
 
 
 def _rewrite_tensors(folder, edit):
@@ -408,18 +475,19 @@ def test_a_llama_checkpoint_that_lacks_its_biases_is_named(tmp_path):
 # The command line on each family
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5_release"])
 def test_generate_cli_runs_each_family(family, tmp_path, capsys):
-    """``python -m dflash_jax.generate`` on a LLaMA and a Qwen3-MoE target (with the embedded
-    model's tokenizer, and a draft for them): DFlash output identical to plain decoding."""
+    """``python -m dflash_jax.generate`` on a LLaMA, a Qwen3-MoE and a Qwen3.5 release target
+    (with the embedded model's tokenizer, and a draft for them): DFlash output identical to plain
+    decoding."""
     import shutil
 
     from builders import make_zlab_draft, save_draft
     from dflash_jax import generate as generate_module
 
     vocab = 8192  # the embedded tokenizer's
-    arch = {**FAMILY_FOLDERS[family], "vocab": vocab}
-    hf = make_target(seed=7, std=0.3, **arch)
+    arch = {"std": 0.3, **FAMILY_FOLDERS[family], "vocab": vocab}
+    hf = make_target(seed=7, **arch)
     target_dir = save_target(hf, tmp_path / "target")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(generate_module.DEFAULT_MODEL / "target" / name, target_dir / name)
@@ -430,3 +498,33 @@ def test_generate_cli_runs_each_family(family, tmp_path, capsys):
                                  "--impl", "reference"]) == 0
     err = capsys.readouterr().err
     assert "outputs identical: True" in err
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
+    """A MoE checkpoint whose experts are stacked (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I], transformers 5's own layout, as some Qwen3.5-MoE uploads carry)
+    loads to the same params as one tensor per expert (transformers' save)."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = make_target(seed=7, std=0.1, family="qwen3_5_moe_release", vocab=64, hidden=32, layers=4, heads=2,
+                     kv_heads=1, experts=4, top_k=2, expert_width=16)
+    per_expert = save_target(hf, tmp_path / "per_expert")
+    tensors = load_file(per_expert / "model.safetensors")
+    stacked = {}
+    for name, array in tensors.items():
+        head, sep, rest = name.partition("mlp.experts.")
+        if not sep:
+            stacked[name] = array
+            continue
+        prefix = f"{head}mlp.experts."
+        if f"{prefix}gate_up_proj" not in stacked:
+            count = 4
+            stacked[f"{prefix}gate_up_proj"] = np.stack([np.concatenate(
+                [tensors[f"{prefix}{e}.gate_proj.weight"], tensors[f"{prefix}{e}.up_proj.weight"]]) for e in range(count)])
+            stacked[f"{prefix}down_proj"] = np.stack([tensors[f"{prefix}{e}.down_proj.weight"] for e in range(count)])
+    folder = tmp_path / "stacked"
+    folder.mkdir()
+    (folder / "config.json").write_text((per_expert / "config.json").read_text())
+    save_file(stacked, folder / "model.safetensors", metadata={"format": "pt"})
+    jax.tree.map(np.testing.assert_array_equal, load_target(folder, "float32").params,
+                 load_target(per_expert, "float32").params)

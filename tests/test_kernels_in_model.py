@@ -11,6 +11,8 @@ import pytest
 
 from dflash_jax.config import DraftConfig, ModelConfig, uniform_config
 from dflash_jax.generate import generate
+from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
+from dflash_jax.nn.rope import RopeSpec
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
 
@@ -23,6 +25,11 @@ DRAFT = DraftConfig(model=uniform_config(num_layers=2, sliding_window=6, layer_t
 # A target whose sliding layers see 8 tokens, far fewer than its prompts and outputs reach.
 SLIDING_TARGET = uniform_config(num_layers=3, sliding_window=8,
                                 layer_types=("sliding_attention", "full_attention", "sliding_attention"), **SHAPE)
+# A hybrid (Qwen3.5): Gated DeltaNet layers (2 key / 4 value heads) around a gated attention with
+# partial RoPE; its prompts pass the GDN kernel's chunked path (> 16 tokens) and the verify's.
+HYBRID_TARGET = uniform_config(num_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
+                               linear_attention=GatedDeltaNetSpec(2, 4, 16, 16), output_gate=True,
+                               rope=RopeSpec(theta=1e6, rotary_dim=8), zero_centred_norms=True, **SHAPE)
 
 
 def _models(target_config: ModelConfig, draft_config: DraftConfig, seed: int) -> tuple[Target, Draft]:
@@ -37,7 +44,7 @@ def models():
     return _models(TARGET, DRAFT, 0)
 
 
-@pytest.mark.parametrize("target_config", [TARGET, SLIDING_TARGET], ids=["full", "sliding"])
+@pytest.mark.parametrize("target_config", [TARGET, SLIDING_TARGET, HYBRID_TARGET], ids=["full", "sliding", "hybrid"])
 def test_kernels_match_reference_end_to_end(target_config):
     """Ragged prompts. In the sliding case every sequence outgrows the window, so the verify
     kernel's window start (masked first steps, earlier pages skipped) runs in prefill and verify."""
@@ -60,6 +67,12 @@ def test_kernel_shape_limits_raise_before_compiling(models):
         generate(odd, [[1, 2, 3]], impl="interpret", max_new_tokens=2)
     with pytest.raises(ValueError, match="page_size 4096 .one KV stage.*take a smaller page_size"):
         generate(target, [[1, 2, 3]], impl="interpret", max_new_tokens=2, page_size=4096)
+    narrow = dataclasses.replace(HYBRID_TARGET, layers=tuple(
+        dataclasses.replace(layer, mixer=GatedDeltaNetSpec(2, 4, 16, 24)) if i in HYBRID_TARGET.recurrent_layers
+        else layer for i, layer in enumerate(HYBRID_TARGET.layers)))
+    with pytest.raises(ValueError, match="linear attention value_dim 24 .the gated delta rule kernels"):
+        generate(Target(narrow, init_target_params(narrow, jax.random.key(0), jnp.float32)), [[1, 2, 3]],
+                 impl="interpret", max_new_tokens=2)
 
 
 def test_gqa_group_that_is_not_a_power_of_two():

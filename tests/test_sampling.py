@@ -230,7 +230,8 @@ def tiny_models(target_seed, draft_seed, prior, context, **family):
     with torch.no_grad():
         hf_target.model.embed_tokens.weight[:, 0] = 2.0
         for layer in hf_target.model.layers:
-            layer.self_attn.o_proj.weight[0].zero_()
+            mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+            mixer.weight[0].zero_()
             if hasattr(layer.mlp, "experts"):   # every expert's output row 0
                 layer.mlp.experts.down_proj[:, 0].zero_()
             else:
@@ -269,6 +270,13 @@ def tiny_moe(tmp_path_factory):
     """The same on a Qwen3-MoE target: 4 experts, top 2, every layer."""
     return _tiny_fixture(tmp_path_factory.mktemp("tiny_moe_sampling"), family="qwen3_moe", experts=4, top_k=2,
                          expert_width=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """The same on a Qwen3.5 hybrid target: a Gated DeltaNet layer, then gated attention."""
+    return _tiny_fixture(tmp_path_factory.mktemp("tiny_hybrid_sampling"), family="qwen3_5",
+                         layer_types=("linear_attention", "full_attention"))
 
 
 def _exact(logits, prefixes, temperature, top_p, top_k):
@@ -407,6 +415,17 @@ def test_speculative_sampling_on_a_moe_target_is_exact_in_distribution(tiny_moe,
     first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
     assert 0.1 < (first_step >= 2).mean() < 0.9
     _assert_exact(_pvalues(tokens, joint3, t4), f"MoE {name}")
+
+
+def test_speculative_sampling_on_a_hybrid_target_is_exact_in_distribution(tiny_hybrid):
+    """Rejected drafts roll the recurrent state back: a wrong rollback skews t3 and t4."""
+    config = SAMPLING_CASES["t1.0"]
+    assert tiny_hybrid[0].config.recurrent_layers == (0,)
+    joint3, t4 = _exact(tiny_hybrid[3], tiny_hybrid[2], config.temperature, config.top_p, config.top_k)
+    tokens, out = _sample(tiny_hybrid, config, seed=23)
+    first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
+    assert 0.1 < (first_step >= 2).mean() < 0.9
+    _assert_exact(_pvalues(tokens, joint3, t4), "hybrid t1.0")
 
 
 def test_plain_sampling_is_exact_in_distribution(tiny):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from builders import make_target, save_target
+from builders import decoder_layers, make_target, save_target
 from dflash_jax import target as target_model
 from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.generate import generate
@@ -54,6 +54,22 @@ CONFIGS = {
     # Qwen3-MoE: every layer sparse, top 3 of 6, routing weights not renormalised
     "moe-unnormalised": (dict(family="qwen3_moe", vocab=64, hidden=32, layers=2, heads=4, kv_heads=1, head_dim=16,
                               experts=6, top_k=3, expert_width=16, norm_topk_prob=False, rope_theta=1e6), dict()),
+    # Qwen3.5 as released (ForConditionalGeneration, tiny vision tower skipped): 3 Gated DeltaNet
+    # layers (2 key / 4 value heads) and one gated attention layer, partial RoPE 0.25, untied
+    "qwen3.5-release": (dict(family="qwen3_5_release", vocab=96, hidden=64, layers=4, heads=4, kv_heads=2), dict()),
+    # Qwen3.5 text-only save, tied, linear key heads = value heads, attention first
+    "qwen3.5-text-tied": (dict(family="qwen3_5", vocab=64, hidden=32, layers=3, heads=2, kv_heads=1, tie=True,
+                               linear_heads=(2, 2), layer_types=("full_attention", "linear_attention",
+                                                                 "linear_attention")), dict()),
+    # Qwen3.5-MoE as released: routed experts (top 2 of 4) and a gated shared expert on every layer
+    # (weights of std 0.05: at 0.1 bf16 rounding alone moves its logits by up to 10%, in transformers too)
+    "qwen3.5-moe-release": (dict(family="qwen3_5_moe_release", vocab=96, hidden=64, layers=4, heads=4, kv_heads=2,
+                                 experts=4, top_k=2, std=0.05), dict()),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba interleaved per key head (2 key heads of 2 value
+    # heads each: with one key head the interleaving would be plain concatenation), layer 0 dense
+    # (std 0.05, as the MoE release's)
+    "qwen3-next": (dict(family="qwen3_next", vocab=64, hidden=64, layers=4, heads=4, kv_heads=2, linear_heads=(2, 4),
+                        experts=4, top_k=2, mlp_only_layers=[0], std=0.05), dict()),
 }
 
 PROMPT_LENS = (13, 5, 9)   # ragged batch, right-padded to PADDED
@@ -61,7 +77,7 @@ PADDED = 16
 SINGLE_STEPS = 3           # decode steps of one token, then one chunk of CHUNK tokens
 CHUNK = 4
 PAGE_SIZE = 8
-F32_ATOL = 2e-5
+F32_ATOL = 3e-5
 F32_RTOL = 1e-5
 
 _forward = jax.jit(target_model.forward, static_argnames=("config", "tap_layers", "impl"))
@@ -71,7 +87,7 @@ _forward = jax.jit(target_model.forward, static_argnames=("config", "tap_layers"
 def case(request, tmp_path_factory):
     arch, save = CONFIGS[request.param]
     index = list(CONFIGS).index(request.param)
-    hf = make_target(seed=10 + index, std=0.1, **arch)
+    hf = make_target(seed=10 + index, **{"std": 0.1, **arch})
     path = save_target(hf, tmp_path_factory.mktemp(request.param), **save)
     rng = np.random.default_rng(index)
     vocab = arch["vocab"]
@@ -112,15 +128,18 @@ def _run_ours(target, prompts, extra, *, permuted: bool):
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     results = []
+    # a hybrid's recurrent layers start from zero states: the NaN-poisoned cache is emptied first
     hidden, taps, cache = _forward(target.params, config, jnp.asarray(tokens), jnp.zeros(batch, jnp.int32),
-                                   cache, tap_layers=taps_ids, impl="reference")
+                                   cache.emptied(), tap_layers=taps_ids, impl="reference")
     results.append((target_model.logits(target.params, hidden), taps))
     start = jnp.asarray(lens)
+    cache = cache.commit(start, "reference")
     for step in range(SINGLE_STEPS):
         hidden, taps, cache = _forward(target.params, config, jnp.asarray(extra[:, step:step + 1], jnp.int32),
                                        start, cache, tap_layers=taps_ids, impl="reference")
         results.append((target_model.logits(target.params, hidden), taps))
         start = start + 1
+        cache = cache.commit(start, "reference")
     hidden, taps, cache = _forward(target.params, config, jnp.asarray(extra[:, SINGLE_STEPS:], jnp.int32),
                                    start, cache, tap_layers=taps_ids, impl="reference")
     results.append((target_model.logits(target.params, hidden), taps))
@@ -157,18 +176,19 @@ def _check_against_hf(case, config, results):
 
 def test_config_parsed_like_hf(case, loaded):
     from dflash_jax.nn.moe import MoESpec
-    hf = case["hf"].config
+    hf = case["hf"].config.get_text_config()
     config = loaded.config
     assert config.family == case["arch"].get("family", "qwen3")
     assert config.head_dim == hf.head_dim
     assert config.num_kv_heads == hf.num_key_value_heads
     assert config.rope_theta == hf.rope_parameters["rope_theta"]
     assert config.rope.kind == hf.rope_parameters["rope_type"]
+    assert config.rope.rotary_dim == int(hf.head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert (loaded.params.lm_head is None) == bool(hf.tie_word_embeddings)
     assert config.layer_types == tuple(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
     sparse = [isinstance(layer.ffn, MoESpec) for layer in config.layers]
-    assert sparse == [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in case["hf"].model.layers]
+    assert sparse == [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in decoder_layers(case["hf"])]
 
 
 def test_logits_and_taps_match_hf_contiguous_pages(case, loaded):
@@ -220,7 +240,18 @@ def _router_near_ties(hf, sequence: list[int], top_k: int) -> set[int]:
     return ties
 
 
+def _hf_bf16_errors(hf, sequence: list[int], reference: np.ndarray) -> np.ndarray:
+    """transformers' own bf16 run's relative logit error per position against its f32 logits."""
+    import copy
+    with torch.no_grad():
+        logits = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([sequence])).logits[0].double().numpy()
+    return np.linalg.norm(logits - reference, axis=-1) / np.linalg.norm(reference, axis=-1)
+
+
 def test_bf16_params_within_bf16_tolerance(case):
+    """bf16 logits within 2e-2 relative of f32 (or three times what transformers' own bf16 run errs at
+    that position: the hybrids' recurrent layers and zero-centred norm scales near 2 amplify
+    bf16 rounding, in transformers as here)."""
     target = load_target(case["path"], "bfloat16")
     assert target.params.embed.dtype == jnp.bfloat16
     results = _run_ours(target, case["prompts"], case["extra"], permuted=False)
@@ -228,6 +259,7 @@ def test_bf16_params_within_bf16_tolerance(case):
     for b, n in enumerate(PROMPT_LENS):
         sequence = case["prompts"][b] + case["extra"][b].tolist()
         ties = _router_near_ties(case["hf"], sequence, case["arch"]["top_k"]) if "top_k" in case["arch"] else set()
+        hf_errors = _hf_bf16_errors(case["hf"], sequence, case["hf_logits"][b].astype(np.float64))
         for phase, positions in _phase_positions(n):
             positions = list(positions)
             ours = results[phase][0][b, :len(positions)].astype(np.float64)
@@ -235,10 +267,11 @@ def test_bf16_params_within_bf16_tolerance(case):
             assert np.isfinite(ours).all()
             for i, position in enumerate(positions):
                 err = np.linalg.norm(ours[i] - ref[i]) / np.linalg.norm(ref[i])
+                bound = max(2e-2, 3 * hf_errors[position])
                 if position in ties:
-                    excused += err >= 2e-2
+                    excused += err >= bound
                     continue
-                assert err < 2e-2, f"{case['name']} seq {b} position {position}: relative error {err:.3g}"
+                assert err < bound, f"{case['name']} seq {b} position {position}: relative error {err:.3g}"
     assert excused <= 2, "more than a stray router near-tie"
 
 

@@ -8,10 +8,11 @@ a ConfigError that lists what is supported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 from dflash_jax.config import ModelConfig
-from dflash_jax.families import llama, qwen3, qwen3_moe
+from dflash_jax.families import llama, qwen3, qwen3_5, qwen3_moe
 from dflash_jax.families.tensors import LLAMA_STYLE, TensorNames
 from dflash_jax.hf_json import ConfigError, architectures
 
@@ -31,11 +32,34 @@ class Family:
     names: TensorNames = LLAMA_STYLE
 
 
+# Qwen3.5 / Qwen3.6 / Qwen3-Next: releases keep the decoder under language_model
+HYBRID = dataclasses.replace(LLAMA_STYLE, ignored=("mtp.",))
+HYBRID_RELEASE = dataclasses.replace(
+    HYBRID, embed="model.language_model.embed_tokens.weight", final_norm="model.language_model.norm.weight",
+    layer="model.language_model.layers.{}.", ignored=("model.visual.", "mtp."))
+
+
+def _hybrid(name: str, label: str, family: str, architecture: str, model_type: str, names: TensorNames,
+            text_model_type: str | None = None) -> Family:
+    return Family(name, label, (architecture,), (model_type,), qwen3_5.parser(family, name),
+                  functools.partial(qwen3_5.export_fields, model_type=model_type, architecture=architecture,
+                                    text_model_type=text_model_type), names)
+
+
 FAMILIES = (
     Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qwen3.parse, qwen3.export_fields),
     Family("llama", "LLaMA", ("LlamaForCausalLM",), ("llama",), llama.parse, llama.export_fields),
     Family("qwen3_moe", "Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qwen3_moe.parse,
            qwen3_moe.export_fields),
+    _hybrid("qwen3_5", "Qwen3.5 / Qwen3.6 (text-only save)", "qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text", HYBRID),
+    _hybrid("qwen3_5_moe", "Qwen3.5-MoE / Qwen3.6-MoE (text-only save)", "qwen3_5_moe", "Qwen3_5MoeForCausalLM",
+            "qwen3_5_moe_text", HYBRID),
+    _hybrid("qwen3_5_release", "Qwen3.5 / Qwen3.6", "qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5",
+            HYBRID_RELEASE, text_model_type="qwen3_5_text"),
+    _hybrid("qwen3_5_moe_release", "Qwen3.5-MoE / Qwen3.6-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration",
+            "qwen3_5_moe", HYBRID_RELEASE, text_model_type="qwen3_5_moe_text"),
+    _hybrid("qwen3_next", "Qwen3-Next", "qwen3_next", "Qwen3NextForCausalLM", "qwen3_next",
+            dataclasses.replace(HYBRID, linear_fused=True)),
 )
 
 

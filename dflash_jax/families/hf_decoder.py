@@ -91,6 +91,19 @@ def layer_kinds(raw: dict, where: str, layers: int, window: int | None, *,
     return [(kind, window if kind == "sliding_attention" else None) for kind in layer_types]
 
 
+def sparse_layers(raw: dict, where: str, layers: int, num_experts: int) -> list[bool]:
+    """Which layers route experts, as transformers' Qwen3-MoE and Qwen3-Next read it: every
+    ``decoder_sparse_step``-th, except ``mlp_only_layers``, none without experts."""
+    step = field(raw, "decoder_sparse_step", where, int, 1)
+    if step < 1:
+        raise ConfigError(f"{where}: decoder_sparse_step must be >= 1, got {step}")
+    dense_only = set(int_list(raw, "mlp_only_layers", where, ()))
+    outside = sorted(i for i in dense_only if not 0 <= i < layers)
+    if outside:
+        raise ConfigError(f"{where}: mlp_only_layers {outside} are outside the {layers} layers")
+    return [num_experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+
+
 def export_fields(config, model_type: str, architecture: str) -> dict[str, Any]:
     """The config.json fields these families share, from a config whose layers share one attention
     spec (``ModelConfig.attention`` raises otherwise)."""

@@ -8,7 +8,7 @@ import dataclasses
 
 from dflash_jax.config import LayerSpec, ModelConfig
 from dflash_jax.families import hf_decoder
-from dflash_jax.hf_json import ConfigError, field, int_list
+from dflash_jax.hf_json import ConfigError, field
 from dflash_jax.nn.mlp import MLPSpec
 from dflash_jax.nn.moe import MoESpec
 
@@ -41,15 +41,8 @@ def parse(raw: dict, where: str) -> ModelConfig:
     attention = dataclasses.replace(
         hf_decoder.attention(raw, where, head_dim_default=None, kv_heads_absent=4, qk_norm=True,
                              max_position=fields["max_position_embeddings"]), sliding_window=window)
-    step = field(raw, "decoder_sparse_step", where, int, 1)
-    if step < 1:
-        raise ConfigError(f"{where}: decoder_sparse_step must be >= 1, got {step}")
-    dense_only = set(int_list(raw, "mlp_only_layers", where, ()))
-    outside = sorted(i for i in dense_only if not 0 <= i < layers)
-    if outside:
-        raise ConfigError(f"{where}: mlp_only_layers {outside} are outside the {layers} layers")
     num_experts = _num_experts(raw, where)
-    sparse = [num_experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)]
+    sparse = hf_decoder.sparse_layers(raw, where, layers, num_experts)
     moe = MoESpec(num_experts=num_experts, top_k=field(raw, "num_experts_per_tok", where, int),
                   intermediate_size=field(raw, "moe_intermediate_size", where, int),
                   norm_topk_prob=field(raw, "norm_topk_prob", where, bool, False)) if any(sparse) else None

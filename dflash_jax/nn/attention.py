@@ -25,7 +25,9 @@ class AttentionSpec:
     """Softmax attention: ``num_heads`` query heads over ``num_kv_heads`` key/value heads (GQA) of
     ``head_dim`` dims. ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3; LLaMA has
     none). ``bias``: the q/k/v and o projections carry biases. ``sliding_window``: keys at most
-    this many positions back (None: full attention)."""
+    this many positions back (None: full attention). ``output_gate``: the q projection also
+    yields a per-head gate, and the attention output is multiplied by its sigmoid before o_proj
+    (Qwen3.5's gated attention)."""
 
     num_heads: int
     num_kv_heads: int
@@ -34,6 +36,7 @@ class AttentionSpec:
     qk_norm: bool = True
     bias: bool = False
     sliding_window: int | None = None
+    output_gate: bool = False
 
     def __post_init__(self):
         if min(self.num_heads, self.num_kv_heads, self.head_dim) < 1:
@@ -55,15 +58,24 @@ class AttentionSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def qkv_size(self) -> int:
+        """Columns of q | k | v in the fused projection (the gate's, if any, follow them)."""
+        return self.q_size + 2 * self.kv_size
+
+    @property
+    def projection_width(self) -> int:
+        return self.qkv_size + (self.q_size if self.output_gate else 0)
+
 
 @struct.dataclass
 class AttentionParams:
     """H hidden, Hq/Hkv heads, D head_dim. q, k and v read the same input, so they are one
-    column-fused weight (one weight stream, one kernel per step): ``qkv_proj`` holds q | k | v;
-    HF keeps three tensors and the checkpoint table maps each to its columns. Norms and biases
-    are None where the spec has none."""
+    column-fused weight (one weight stream, one kernel per step): ``qkv_proj`` holds q | k | v
+    (| gate, with an output gate); HF keeps three tensors and the checkpoint table maps each to
+    its columns. Norms and biases are None where the spec has none."""
 
-    qkv_proj: jax.Array                   # [H, (Hq + 2*Hkv)*D]
+    qkv_proj: jax.Array                   # [H, (Hq + 2*Hkv)*D (+ Hq*D)]
     o_proj: jax.Array                     # [Hq*D, H]
     q_norm: jax.Array | None = None       # [D]
     k_norm: jax.Array | None = None       # [D]
@@ -78,7 +90,7 @@ class AttentionParams:
 
 def init_attention(spec: AttentionSpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> AttentionParams:
     """Random weights (normal(0, scale)), unit norms, zero biases: for tests and benchmarks."""
-    qkv_width = spec.q_size + 2 * spec.kv_size
+    qkv_width = spec.projection_width
     k_qkv, k_o = jax.random.split(key)
     norm = lambda: jnp.ones((spec.head_dim,), dtype) if spec.qk_norm else None  # noqa: E731
     bias = lambda n: jnp.zeros((n,), dtype) if spec.bias else None  # noqa: E731
@@ -88,8 +100,13 @@ def init_attention(spec: AttentionSpec, hidden: int, key: jax.Array, dtype, scal
 
 
 def project_qkv(x: jax.Array, params: AttentionParams, input_norm: jax.Array, eps: float, impl: str) -> jax.Array:
-    """rms_norm(x) @ qkv_proj [+ qkv_bias]: x [B, T, H] -> [B, T, (Hq + 2*Hkv)*D]."""
+    """rms_norm(x) @ qkv_proj [+ qkv_bias]: x [B, T, H] -> [B, T, (Hq + 2*Hkv)*D (+ Hq*D gate)]."""
     return ops.project(x, params.qkv_proj, bias=params.qkv_bias, norm_weight=input_norm, eps=eps, impl=impl)
+
+
+def qkv_part(projected: jax.Array, spec: AttentionSpec) -> jax.Array:
+    """The q | k | v columns of a layer's projection (without the output gate's)."""
+    return projected[..., :spec.qkv_size] if spec.output_gate else projected
 
 
 def rotary_tables(positions: jax.Array, spec: AttentionSpec, dtype) -> tuple[jax.Array, jax.Array]:
@@ -98,10 +115,15 @@ def rotary_tables(positions: jax.Array, spec: AttentionSpec, dtype) -> tuple[jax
     return rope.tables(positions, spec.rope, dtype)
 
 
-def output(x: jax.Array, out: jax.Array, params: AttentionParams, impl: str) -> jax.Array:
-    """x + o_proj(out) [+ o_bias] for the attention output out [B, T, Hq, D] (the residual is
-    added once, after the projection and its bias)."""
-    return ops.project(out.reshape(*out.shape[:2], -1), params.o_proj, bias=params.o_bias, residual=x, impl=impl)
+def output(x: jax.Array, out: jax.Array, projected: jax.Array, params: AttentionParams, spec: AttentionSpec,
+           impl: str) -> jax.Array:
+    """x + o_proj(out [* sigmoid(gate)]) [+ o_bias] for the attention output out [B, T, Hq, D] of
+    the layer's projection ``projected`` (the residual is added once, after the projection and
+    its bias)."""
+    out = out.reshape(*out.shape[:2], -1)
+    if spec.output_gate:
+        out = out * jax.nn.sigmoid(projected[..., spec.qkv_size:])
+    return ops.project(out, params.o_proj, bias=params.o_bias, residual=x, impl=impl)
 
 
 def paged_causal(qkv: jax.Array, params: AttentionParams, spec: AttentionSpec, positions: jax.Array,
@@ -113,7 +135,7 @@ def paged_causal(qkv: jax.Array, params: AttentionParams, spec: AttentionSpec, p
     k_pages, v_pages)."""
     cos, sin = rotary_tables(positions, spec, qkv.dtype)
     q, k_pages, v_pages = ops.qkv_norm_rope_write(
-        qkv, params.q_norm, params.k_norm, cos, sin, positions, k_pages, v_pages, page_table,
+        qkv_part(qkv, spec), params.q_norm, params.k_norm, cos, sin, positions, k_pages, v_pages, page_table,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=eps, impl=impl)
     out = ops.verify_attention(q, k_pages, v_pages, page_table, positions[:, 0],
                                sliding_window=spec.sliding_window, impl=impl)
@@ -125,5 +147,5 @@ def block_qkv(qkv: jax.Array, params: AttentionParams, spec: AttentionSpec, posi
     """q, k and v [B, T, heads, D] of tokens that never enter the cache (the draft's block):
     q and k normed and rotated."""
     cos, sin = rotary_tables(positions, spec, qkv.dtype)
-    return ops.qkv_norm_rope(qkv, params.q_norm, params.k_norm, cos, sin, num_heads=spec.num_heads,
+    return ops.qkv_norm_rope(qkv_part(qkv, spec), params.q_norm, params.k_norm, cos, sin, num_heads=spec.num_heads,
                              num_kv_heads=spec.num_kv_heads, eps=eps, impl=impl)

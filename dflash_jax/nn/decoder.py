@@ -3,12 +3,15 @@ spec says (pre-norm -> mixer -> residual -> post-norm -> dense or routed feed-fo
 residual). Layers are unrolled in Python: a ``lax.scan`` over stacked layers measured ~2.3x
 slower for decode on an H200 (benchmarks/RESULTS.md), and specs may differ from layer to layer.
 
-Which keys an attention query sees is the caller's ``attend``:
+Which keys an attention query sees, and which recurrent state a Gated DeltaNet layer continues,
+is the caller's ``attend``:
 
-    attend(state, index, spec, params, qkv, positions) -> (out [B, T, Hq, D], state)
+    attend(state, index, spec, params, projected, positions) -> (out, state)
 
-gets layer ``index``'s fused projection qkv [B, T, (Hq + 2 Hkv) * D] of tokens at ``positions``
-[B, T] and threads ``state`` (a target's paged cache; nothing for a draft's block).
+gets layer ``index``'s mixer spec and params and its fused input projection of tokens at
+``positions`` [B, T] (q | k | v [| gate] of attention, out [B, T, Hq, D]; or q | k | v | z | b | a
+of Gated DeltaNet, out [B, T, Hv, dv]) and threads ``state`` (a target's cache; nothing for a
+draft's block).
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ import jax
 from flax import struct
 
 from dflash_jax.config import LayerSpec
-from dflash_jax.nn import attention, mlp, moe
+from dflash_jax.nn import attention, gated_deltanet, mlp, moe
 from dflash_jax.nn.attention import AttentionParams, AttentionSpec, init_attention
+from dflash_jax.nn.gated_deltanet import GatedDeltaNetParams, GatedDeltaNetSpec, init_gated_deltanet
 from dflash_jax.nn.mlp import MLPParams, MLPSpec, init_mlp
 from dflash_jax.nn.moe import MoEParams, init_moe
 
-Attend = Callable[[Any, int, AttentionSpec, AttentionParams, jax.Array, jax.Array], tuple[jax.Array, Any]]
+Attend = Callable[[Any, int, AttentionSpec | GatedDeltaNetSpec, AttentionParams | GatedDeltaNetParams, jax.Array,
+                   jax.Array], tuple[jax.Array, Any]]
 
 
 @struct.dataclass
 class LayerParams:
-    """One decoder layer (H hidden): its norms, attention and feed-forward block."""
+    """One decoder layer (H hidden): its norms, token mixer (``attention``: softmax attention, or
+    Gated DeltaNet's linear attention) and feed-forward block."""
 
     input_norm: jax.Array              # [H]
-    attention: AttentionParams
+    attention: AttentionParams | GatedDeltaNetParams
     post_attention_norm: jax.Array     # [H]
     ffn: MLPParams | MoEParams
 
@@ -43,8 +49,25 @@ def init_layer(spec: LayerSpec, hidden: int, key: jax.Array, dtype, scale: float
     k_attn, k_ffn = jax.random.split(key)
     init_ffn = init_mlp if isinstance(spec.ffn, MLPSpec) else init_moe
     ones = lambda: jax.numpy.ones((hidden,), dtype)  # noqa: E731 (one buffer each: training donates them)
-    return LayerParams(input_norm=ones(), attention=init_attention(spec.mixer, hidden, k_attn, dtype, scale),
+    init_mixer = init_attention if isinstance(spec.mixer, AttentionSpec) else init_gated_deltanet
+    return LayerParams(input_norm=ones(), attention=init_mixer(spec.mixer, hidden, k_attn, dtype, scale),
                        post_attention_norm=ones(), ffn=init_ffn(spec.ffn, hidden, k_ffn, dtype, scale))
+
+
+def norm_scale(weight: jax.Array | None) -> jax.Array | None:
+    """The scale of a zero-centred RMSNorm of weight w: 1 + w (added in f32, as transformers)."""
+    return None if weight is None else (1.0 + weight.astype(jax.numpy.float32)).astype(weight.dtype)
+
+
+def with_norm_scales(params: LayerParams) -> LayerParams:
+    """A layer of zero-centred norms (Qwen3.5) as one of plain norms: each norm weight w replaced
+    by its scale 1 + w (the checkpoint's w are kept as they are, so conversion and export are
+    exact; XLA hoists these few vectors out of a decode loop)."""
+    mixer = params.attention
+    if isinstance(mixer, AttentionParams):
+        mixer = mixer.replace(q_norm=norm_scale(mixer.q_norm), k_norm=norm_scale(mixer.k_norm))
+    return params.replace(input_norm=norm_scale(params.input_norm), attention=mixer,
+                          post_attention_norm=norm_scale(params.post_attention_norm))
 
 
 def feed_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, eps: float, impl: str) -> jax.Array:
@@ -57,19 +80,27 @@ def feed_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, eps: float,
 def layer_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, index: int, positions: jax.Array,
                   attend: Attend, state: Any, eps: float, impl: str) -> tuple[jax.Array, Any]:
     """One layer on x [B, T, H] at ``positions`` [B, T]."""
-    qkv = attention.project_qkv(x, params.attention, params.input_norm, eps, impl)
-    out, state = attend(state, index, spec.mixer, params.attention, qkv, positions)
-    x = attention.output(x, out, params.attention, impl)
+    mixer = spec.mixer
+    if isinstance(mixer, AttentionSpec):
+        projected = attention.project_qkv(x, params.attention, params.input_norm, eps, impl)
+        out, state = attend(state, index, mixer, params.attention, projected, positions)
+        x = attention.output(x, out, projected, params.attention, mixer, impl)
+    else:
+        projected = gated_deltanet.project(x, params.attention, params.input_norm, eps, impl)
+        out, state = attend(state, index, mixer, params.attention, projected, positions)
+        x = gated_deltanet.output(x, out, projected, params.attention, mixer, eps, impl)
     return feed_forward(x, params, spec, eps, impl), state
 
 
 def run(layers: Sequence[LayerParams], specs: Sequence[LayerSpec], x: jax.Array, positions: jax.Array,
-        attend: Attend, state: Any, *, eps: float, impl: str,
-        tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, dict[int, jax.Array], Any]:
+        attend: Attend, state: Any, *, eps: float, impl: str, tap_layers: tuple[int, ...] = (),
+        zero_centred_norms: bool = False) -> tuple[jax.Array, dict[int, jax.Array], Any]:
     """Every layer in turn. Returns the last layer's output (not final-normed), the outputs of
     ``tap_layers`` by index, and the threaded state."""
     taps = {}
     for index, (params, spec) in enumerate(zip(layers, specs, strict=True)):
+        if zero_centred_norms:
+            params = with_norm_scales(params)
         x, state = layer_forward(x, params, spec, index, positions, attend, state, eps, impl)
         if index in tap_layers:
             taps[index] = x

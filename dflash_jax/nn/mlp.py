@@ -50,3 +50,9 @@ def forward(x: jax.Array, params: MLPParams, norm_weight: jax.Array, eps: float,
     h = ops.project(x, params.gate_up_proj, bias=params.gate_up_bias, norm_weight=norm_weight, eps=eps,
                     gated=True, impl=impl)
     return ops.project(h, params.down_proj, bias=params.down_bias, residual=x, impl=impl)
+
+
+def swiglu(h: jax.Array, params: MLPParams, impl: str) -> jax.Array:
+    """down(silu(gate) * up) of an already normed h [..., H], no residual (a MoE's shared expert)."""
+    g = ops.project(h, params.gate_up_proj, bias=params.gate_up_bias, gated=True, impl=impl)
+    return ops.project(g, params.down_proj, bias=params.down_bias, impl=impl)

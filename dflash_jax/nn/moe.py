@@ -1,5 +1,7 @@
-"""The mixture-of-experts feed-forward block (Qwen3-MoE): a softmax router picks ``top_k`` of
-``num_experts`` SwiGLU experts per token, whose outputs are summed with the router's weights.
+"""The mixture-of-experts feed-forward block (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): a softmax router
+picks ``top_k`` of ``num_experts`` SwiGLU experts per token, whose outputs are summed with the
+router's weights; the Qwen3.5 / Qwen3-Next variants add a shared SwiGLU expert scaled by a sigmoid
+gate.
 The experts run as a grouped matmul over (token, expert) pairs sorted by expert (``ops``)."""
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from flax import struct
 
 from dflash_jax import ops
 from dflash_jax.hf_json import ConfigError
+from dflash_jax.nn import mlp
 from dflash_jax.nn.initializers import normal
+from dflash_jax.nn.mlp import MLPParams, MLPSpec, init_mlp
 from pallas_kernels import rms_norm
 
 
@@ -20,12 +24,14 @@ from pallas_kernels import rms_norm
 class MoESpec:
     """``num_experts`` experts of width ``intermediate_size`` (HF ``moe_intermediate_size``),
     ``top_k`` per token (``num_experts_per_tok``). Routing: softmax over all experts in f32,
-    the top k, renormalised to sum 1 when ``norm_topk_prob``."""
+    the top k, renormalised to sum 1 when ``norm_topk_prob``. ``shared_intermediate_size``: the
+    width of a shared expert every token runs (None: none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool = False
+    shared_intermediate_size: int | None = None
 
     def __post_init__(self):
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -33,25 +39,34 @@ class MoESpec:
                               f"{self.num_experts} and {self.intermediate_size}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.shared_intermediate_size is not None and self.shared_intermediate_size < 1:
+            raise ConfigError(f"shared_expert_intermediate_size must be >= 1, got {self.shared_intermediate_size}")
 
 
 @struct.dataclass
 class MoEParams:
     """H hidden, E experts, I expert width; each expert's gate | up fused as in ``MLPParams``,
-    the experts stacked on a leading axis (HF stores one tensor per expert)."""
+    the experts stacked on a leading axis (HF stores one tensor per expert). The shared expert
+    (S wide), when the spec has one, is an ``MLPParams`` with its gate's weight."""
 
-    router: jax.Array          # [H, E]
-    gate_up_proj: jax.Array    # [E, H, 2*I]
-    down_proj: jax.Array       # [E, I, H]
+    router: jax.Array                      # [H, E]
+    gate_up_proj: jax.Array                # [E, H, 2*I]
+    down_proj: jax.Array                   # [E, I, H]
+    shared: MLPParams | None = None        # gate_up [H, 2*S], down [S, H]
+    shared_gate: jax.Array | None = None   # [H, 1]
 
 
 def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> MoEParams:
     """Random weights (normal(0, scale)): for tests and benchmarks."""
     e, i = spec.num_experts, spec.intermediate_size
-    keys = jax.random.split(key, 3)
+    keys = jax.random.split(key, 5)
+    shared = shared_gate = None
+    if spec.shared_intermediate_size is not None:
+        shared = init_mlp(MLPSpec(spec.shared_intermediate_size), hidden, keys[3], dtype, scale)
+        shared_gate = normal(keys[4], (hidden, 1), dtype, scale)
     return MoEParams(router=normal(keys[0], (hidden, e), dtype, scale),
                      gate_up_proj=normal(keys[1], (e, hidden, 2 * i), dtype, scale),
-                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale))
+                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale), shared=shared, shared_gate=shared_gate)
 
 
 def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
@@ -71,4 +86,8 @@ def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Arr
     h = rms_norm(x, norm_weight, eps).reshape(-1, x.shape[-1])
     experts, weights = route(h, params.router, spec)
     y = ops.routed_experts(h, experts, weights, params.gate_up_proj, params.down_proj, impl=impl)
+    if params.shared is not None:
+        # transformers: sigmoid(h @ shared_gate) * shared_mlp(h), added to the routed sum, all in h's dtype
+        shared = mlp.swiglu(h, params.shared, impl)
+        y = y.astype(h.dtype) + jax.nn.sigmoid(h @ params.shared_gate) * shared
     return x + y.reshape(x.shape).astype(x.dtype)
