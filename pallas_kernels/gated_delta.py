@@ -123,6 +123,19 @@ def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     return out, (new_state if with_state else None)
 
 
+def _unit_lower_inverse(strict: jax.Array, einsum) -> jax.Array:
+    """(I + L)⁻¹ for L [..., C, C] strictly lower triangular, row by row (forward substitution:
+    row i = e_i − Σ_{j<i} L_ij row j), in plain jnp: XLA:CPU's LAPACK triangular solve, called
+    in a process that has loaded torch, was seen to deadlock."""
+    size = strict.shape[-1]
+    identity = jnp.eye(size, dtype=strict.dtype)
+
+    def row(i, inverse):
+        return inverse.at[..., i, :].set(identity[i] - einsum("...j,...jk->...k", strict[..., i, :], inverse))
+
+    return lax.fori_loop(0, size, row, jnp.zeros_like(strict))
+
+
 def chunked_gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                                        state: jax.Array, *, chunk_size: int = 64, with_output: bool = True,
                                        with_state: bool = True) -> tuple[jax.Array | None, jax.Array | None]:
@@ -130,7 +143,7 @@ def chunked_gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array,
 
     T is padded with g = 0, β = 0 tokens to whole chunks. Per chunk, with cum the running sum of
     g and L = (βk̂ k̂ᵀ · e^(cum_i − cum_j)) strictly below the diagonal: u = (I + L)⁻¹ βv and
-    w = (I + L)⁻¹ (βk̂ e^cum) (triangular solves); then over the chunks, v_new = u − w S,
+    w = (I + L)⁻¹ (βk̂ e^cum) (the inverse by forward substitution); then over the chunks, v_new = u − w S,
     o = (q̂ e^cum) S + (q̂ k̂ᵀ · e^(cum_i − cum_j), j <= i) v_new,
     S ← e^cum_last S + (k̂ e^(cum_last − cum))ᵀ v_new.
     """
@@ -155,9 +168,9 @@ def chunked_gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array,
     k_beta = k_c * beta_c[..., None]
     system = jnp.eye(chunk_size) + jnp.where(rows[:, None] > rows[None, :],
                                              einsum("...ik,...jk->...ij", k_beta, k_c) * decay, 0)
-    solve = functools.partial(lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True)
-    u = solve(system, v_c * beta_c[..., None])
-    w = solve(system, k_beta * jnp.exp(cum)[..., None])
+    inverse = _unit_lower_inverse(system - jnp.eye(chunk_size), einsum)
+    u = einsum("...ij,...jd->...id", inverse, v_c * beta_c[..., None])
+    w = einsum("...ij,...jd->...id", inverse, k_beta * jnp.exp(cum)[..., None])
     attention = einsum("...ik,...jk->...ij", q_c, k_c) * decay
     q_decayed = q_c * jnp.exp(cum)[..., None]
     k_decayed = k_c * jnp.exp(cum[..., -1:] - cum)[..., None]

@@ -394,6 +394,16 @@ def test_a_qwen35_27b_release_config_parses():
     assert config.eos_token_ids == (248044,)
 
 
+def test_qwen35_moe_routing_always_renormalises():
+    """transformers' Qwen3.5-MoE router divides the top k by their sum whatever norm_topk_prob says."""
+    from builders import hybrid_config
+
+    raw = hybrid_config("qwen3_5_moe", **HYBRID_ARCH, experts=4, top_k=2).to_dict()
+    for value in (False, None):
+        raw["norm_topk_prob"] = value
+        assert all(layer.ffn.norm_topk_prob for layer in ModelConfig.from_hf(raw).layers)
+
+
 def test_hybrid_layer_kinds_from_the_full_attention_interval():
     """Without layer_types, layer i is full attention iff (i + 1) % full_attention_interval == 0."""
     from builders import hybrid_config

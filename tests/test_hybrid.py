@@ -235,3 +235,42 @@ def test_prefill_in_chunks_changes_nothing(hybrid_pair, monkeypatch):
         jax.clear_caches()
     assert chunked.tokens == whole.tokens
     assert chunked.stats.accept_lengths == whole.stats.accept_lengths
+
+
+def test_commit_ignores_non_finite_uncommitted_tokens():
+    """Tokens past a row's committed count never reach its state, even non-finite ones (β = 0
+    and g = 0 alone would let 0 x NaN through)."""
+    from dflash_jax.nn import gated_deltanet
+    from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec, PendingBlock
+
+    spec = GatedDeltaNetSpec(num_key_heads=1, num_value_heads=2, key_dim=16, value_dim=16)
+    rows, length = BLOCK + 1, BLOCK
+    keys = jax.random.split(jax.random.key(8), 5)
+    counts = jnp.arange(rows, dtype=jnp.int32)
+    tail = jnp.arange(length)[None, :] >= counts[:, None]                   # [rows, T]: uncommitted
+    inputs = jax.random.normal(keys[0], (rows, length, spec.conv_dim))
+    block = PendingBlock(inputs=inputs, conv_weight=jax.random.normal(keys[1], (spec.conv_dim, 1, 4)),
+                         decay=-jax.random.uniform(keys[2], (rows, length, 2)),
+                         beta=jax.random.uniform(keys[3], (rows, length, 2)), spec=spec)
+    conv = jax.random.normal(keys[4], (rows, 3, spec.conv_dim))
+    state = jnp.ones((rows, 2, 16, 16))
+    clean = gated_deltanet.advance(block.replace(inputs=jnp.where(tail[..., None], 0.0, inputs)), conv, state,
+                                   counts, "reference")
+    poisoned = gated_deltanet.advance(block.replace(inputs=jnp.where(tail[..., None], jnp.nan, inputs)), conv, state,
+                                      counts, "reference")
+    for ours, expected in zip(poisoned, clean):
+        assert np.isfinite(np.asarray(ours)).all()
+        np.testing.assert_array_equal(ours, expected)
+
+
+def test_prefill_chunk_is_a_power_of_two_dividing_the_padded_prompt(monkeypatch):
+    from dflash_jax import decode
+
+    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 8)
+    assert decode.prefill_chunk(2, 4) == 4                                  # fits whole
+    assert decode.prefill_chunk(2, 28) == 4 and decode.prefill_chunk(1, 24) == 8 and decode.prefill_chunk(9, 48) == 1
+    for batch in (1, 2, 3, 5):
+        for padded in (12, 16, 24, 28, 40, 48, 96):
+            chunk = decode.prefill_chunk(batch, padded)
+            assert padded % chunk == 0 and (batch * padded <= 8 or (chunk & (chunk - 1) == 0 and batch * chunk <= 8
+                                                                    or chunk == 1))
