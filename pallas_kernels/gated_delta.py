@@ -123,7 +123,7 @@ def gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     return out, (new_state if with_state else None)
 
 
-def _unit_lower_inverse(strict: jax.Array, einsum) -> jax.Array:
+def _forward_substitution_inverse(strict: jax.Array, einsum) -> jax.Array:
     """(I + L)⁻¹ for L [..., C, C] strictly lower triangular, row by row (forward substitution:
     row i = e_i − Σ_{j<i} L_ij row j), in plain jnp: XLA:CPU's LAPACK triangular solve, called
     in a process that has loaded torch, was seen to deadlock."""
@@ -166,9 +166,8 @@ def chunked_gated_delta_rule_reference(q: jax.Array, k: jax.Array, v: jax.Array,
     lower = rows[:, None] >= rows[None, :]
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     k_beta = k_c * beta_c[..., None]
-    system = jnp.eye(chunk_size) + jnp.where(rows[:, None] > rows[None, :],
-                                             einsum("...ik,...jk->...ij", k_beta, k_c) * decay, 0)
-    inverse = _unit_lower_inverse(system - jnp.eye(chunk_size), einsum)
+    strict = jnp.where(rows[:, None] > rows[None, :], einsum("...ik,...jk->...ij", k_beta, k_c) * decay, 0)
+    inverse = _forward_substitution_inverse(strict, einsum)   # (I + L)^-1
     u = einsum("...ij,...jd->...id", inverse, v_c * beta_c[..., None])
     w = einsum("...ij,...jd->...id", inverse, k_beta * jnp.exp(cum)[..., None])
     attention = einsum("...ik,...jk->...ij", q_c, k_c) * decay
