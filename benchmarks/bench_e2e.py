@@ -52,13 +52,14 @@ from dflash_jax.decode import default_steps_per_check  # noqa: E402
 from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
 from dflash_jax.models import Draft, Target  # noqa: E402
 from dflash_jax.nn.moe import MoESpec  # noqa: E402
+from dflash_jax.sharding import TensorParallel, make_mesh  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
 # Batches and contexts per shape when not given: the issue's grid at Qwen3-8B, a CPU smoke test at
 # tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
 _GPU_GRID = {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32], "blocks": [4, 8, 16]}
 _CPU_GRID = {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1], "blocks": [4, 8, 16]}
-SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
+SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-32b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
                   "qwen3.5-35b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID, "tiny-hybrid": _CPU_GRID,
                   "llama3.1-8b": {**_GPU_GRID, "blocks": [4, 8, 10]}}  # z-lab's LLaMA draft: block 10
 PARTS_CONTEXT, PARTS_BLOCK = 512, 16  # the parts' block: 16, or the draft's trained block when smaller
@@ -110,39 +111,49 @@ class Roofline:
     step is its three parts: draft, verify and commit. A MoE layer reads only its routed experts:
     ``expected_experts`` of them for the tokens of the pass, each token computing top_k. A hybrid's
     Gated DeltaNet states count once read and once written per step (the floor; the rollback
-    reads them once more: ``dflash_jax.cache``)."""
+    reads them once more: ``dflash_jax.cache``). Split over ``shards`` devices (tensor
+    parallelism) the floor is one device's share: split weights, KV, states and FLOPs divided by
+    the shards (the draft's by ``draft_shards``: 1 when it is replicated), at one device's
+    ceilings; the all-reduces are not in it."""
 
-    def __init__(self, target: Target, draft: Draft, ceilings: dict):
+    def __init__(self, target: Target, draft: Draft, ceilings: dict, shards: int = 1, draft_shards: int = 1):
         tc, dc = target.config, draft.config.model
         self.bw, self.rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
         t, d = target.params, draft.params
         # The routed experts' stacks apart: (num_experts, top_k, bytes per expert, params per expert).
         self.moe_layers = [(layer.ffn.num_experts, layer.ffn.top_k,
-                            (nbytes(params.ffn.gate_up_proj) + nbytes(params.ffn.down_proj)) / layer.ffn.num_experts,
-                            (nparams(params.ffn.gate_up_proj) + nparams(params.ffn.down_proj)) / layer.ffn.num_experts)
+                            (nbytes(params.ffn.gate_up_proj) + nbytes(params.ffn.down_proj)) / layer.ffn.num_experts
+                            / shards,
+                            (nparams(params.ffn.gate_up_proj) + nparams(params.ffn.down_proj)) / layer.ffn.num_experts
+                            / shards)
                            for layer, params in zip(tc.layers, t.layers) if isinstance(layer.ffn, MoESpec)]
         expert_bytes = sum(e * per_expert for e, _, per_expert, _ in self.moe_layers)
         expert_params = sum(e * per_expert for e, _, _, per_expert in self.moe_layers)
         # Every other weight a target forward reads (the embedding only a few rows), LM head included.
-        self.target = Cost(nbytes(t) - nbytes(t.embed) - expert_bytes,
-                           2 * (nparams(t) - nparams(t.embed) - expert_params))
+        self.target = Cost((nbytes(t) - nbytes(t.embed)) / shards - expert_bytes,
+                           2 * ((nparams(t) - nparams(t.embed)) / shards - expert_params))
         # The draft's block pass: its layers and final norm, then the LM head again for the draft
         # logits (its own head for a reduced vocabulary); fc is read only by commit.
         head = d.lm_head if d.lm_head is not None else t.lm_head if t.lm_head is not None else t.embed
-        self.draft_layers = Cost(nbytes(d.layers) + nbytes(d.norm), 2 * (nparams(d.layers) + nparams(d.norm)))
-        self.draft_head = Cost(nbytes(head), 2 * nparams(head))
+        self.draft_layers = Cost((nbytes(d.layers) + nbytes(d.norm)) / draft_shards,
+                                 2 * (nparams(d.layers) + nparams(d.norm)) / draft_shards)
+        head_shards = 1 if d.lm_head is not None else shards  # a reduced-vocabulary head is replicated
+        self.draft_head = Cost(nbytes(head) / head_shards, 2 * nparams(head) / head_shards)
         # Commit: fc, then each draft layer's k/v columns of qkv_proj for the committed tokens.
         kv_columns = sum(layer.attention.qkv_proj.shape[0] * (layer.attention.qkv_proj.shape[1] - layer.attention.q_size)
                          for layer in d.layers)
         itemsize = d.fc.dtype.itemsize
-        self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize, 2 * (nparams(d.fc) + kv_columns))
+        self.commit_weights = Cost(nbytes(d.fc) + kv_columns * itemsize / draft_shards,
+                                   2 * (nparams(d.fc) + kv_columns / draft_shards))
         kv_per_token = lambda cfg: 2 * cfg.num_kv_heads * cfg.head_dim * 2 * len(cfg.attention_layers)  # noqa: E731
-        self.target_kv_token, self.draft_kv_token = kv_per_token(tc), kv_per_token(dc)  # (K+V, bf16)
+        # (K+V, bf16)
+        self.target_kv_token, self.draft_kv_token = kv_per_token(tc) / shards, kv_per_token(dc) / draft_shards
         # A hybrid's recurrent and conv states, read and written once per step per sequence.
-        self.state_bytes = state_bytes_per_sequence(tc)
+        self.state_bytes = state_bytes_per_sequence(tc) / shards
         # Attention FLOPs per (query, key) pair: q.k and p.v over every query head of every layer.
         attention_per_pair = lambda cfg: 4 * cfg.num_heads * cfg.head_dim * len(cfg.attention_layers)  # noqa: E731
-        self.target_attention, self.draft_attention = attention_per_pair(tc), attention_per_pair(dc)
+        self.target_attention = attention_per_pair(tc) / shards
+        self.draft_attention = attention_per_pair(dc) / draft_shards
 
     def seconds(self, cost: Cost) -> float:
         return max(cost.bytes / self.bw, cost.flops / self.rate)
@@ -380,6 +391,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     parser.add_argument("--ceiling-mib", type=positive_int, help="buffer size for the bandwidth ceiling "
                         "(default: 1024, 8 at --shape tiny)")
     parser.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor parallelism: the models split over this many devices (decode and e2e sections)")
+    parser.add_argument("--replicate-draft", action="store_true", help="with --tp: the draft whole on every device")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="with --tp: a MoE target's experts dealt out whole instead of split by width")
     parser.add_argument("--parts-batches", type=positive_ints, help="default: 1,32 (tiny: 1)")
     parser.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     parser.add_argument("--skip", type=names_from(SECTIONS, allow_empty=True), default="",
@@ -403,6 +419,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
     if (args.steps_per_check or default_steps_per_check(args.steps)) < 2:
         parser.error(f"--steps {args.steps} would check for finished rows after every step, a host round trip "
                      "per step that the timed loop must not have: give an even --steps (default 16)")
+    if args.tp > 1 and "parts" not in args.skip:
+        parser.error("--tp times the decode and e2e sections (whole split programs): add --skip parts")
+    if (args.replicate_draft or args.expert_parallel) and args.tp == 1:
+        parser.error("--replicate-draft and --expert-parallel need --tp > 1")
+    if args.tp > jax.device_count():
+        parser.error(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} visible")
     return args, load_reference(parser, args)
 
 
@@ -424,15 +446,21 @@ def main(argv: list[str] | None = None):
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
     report = run_record(args)
-    report.update(shape=args.shape, impl=args.impl, auto_kernels=auto_kernels, decode={}, parts={}, e2e={})
+    report.update(shape=args.shape, impl=args.impl, auto_kernels=auto_kernels, tp=args.tp,
+                  replicate_draft=args.replicate_draft, expert_parallel=args.expert_parallel, decode={}, parts={},
+                  e2e={})
     if reference:
         report["reference"] = reference
     save = functools.partial(write_json, args.out / "bench_e2e.json", report)
     buffer_mib, matmul_size = CEILING_SIZES[args.shape]
     report["ceilings"] = ceilings = measure_ceilings(args.ceiling_mib or buffer_mib, matmul_size)
     log("ceilings", ceilings)
-    target, draft = random_models(args.shape)
-    roof = Roofline(target, draft, ceilings)
+    tensor_parallel = None
+    if args.tp > 1:
+        tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
+                                         expert_parallel=args.expert_parallel)
+    target, draft = random_models(args.shape, tensor_parallel)
+    roof = Roofline(target, draft, ceilings, shards=args.tp, draft_shards=1 if args.replicate_draft else args.tp)
     report["bytes"] = roof.weight_bytes()
     save()
 
@@ -484,7 +512,9 @@ def main(argv: list[str] | None = None):
 
 def print_table(report):
     c = report["ceilings"]
-    print(f"\n{report['shape']} | {report['device']} | jax {report['jax']} | {report['date']} | copy "
+    split = (f" | tp {report['tp']}" + (", draft replicated" if report["replicate_draft"] else "")
+             + (", experts whole" if report["expert_parallel"] else "")) if report["tp"] > 1 else ""
+    print(f"\n{report['shape']}{split} | {report['device']} | jax {report['jax']} | {report['date']} | copy "
           f"{c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (" +
           ", ".join(f"{k} {v / 1e3:.2f}" for k, v in c["copies_GBps"].items()) +
           f" TB/s) | bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")

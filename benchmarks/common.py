@@ -4,6 +4,7 @@ timing and the run record every JSON output starts with."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -24,12 +25,20 @@ from dflash_jax.nn.moe import MoESpec
 from dflash_jax.nn.rope import RopeSpec
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
+from dflash_jax.sharding import (TensorParallel, draft_layout, local_config, local_draft_config, named, specs,
+                                 target_layout)
 
 QWEN3_8B = uniform_config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                           num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
                           max_position_embeddings=40960)
 DFLASH_DRAFT_8B = DraftConfig(model=QWEN3_8B.with_layers(QWEN3_8B.layers[:5]), block_size=16,
                               mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36)
+# Qwen3-32B (the tensor-parallel benchmark's target): a 5-layer draft of its width, as the 8B's.
+QWEN3_32B = uniform_config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+                           num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                           max_position_embeddings=40960)
+DFLASH_DRAFT_32B = DraftConfig(model=QWEN3_32B.with_layers(QWEN3_32B.layers[:5]), block_size=16,
+                               mask_token_id=151669, target_layer_ids=(1, 16, 31, 46, 61), num_target_layers=64)
 # LLaMA-3.1-8B-Instruct: no q/k norms, llama3 RoPE; z-lab's draft: 5 Qwen3 layers, block 10.
 LLAMA31_8B = uniform_config(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -87,13 +96,15 @@ TINY_HYBRID = uniform_config(family="qwen3_5_release", vocab_size=512, hidden_si
                              rope=RopeSpec(theta=1e7, rotary_dim=8), layer_types=HYBRID_TYPES(4),
                              linear_attention=GatedDeltaNetSpec(2, 4, 16, 16), max_position_embeddings=40960,
                              zero_centred_norms=True)
-SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
+SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "qwen3-32b": (QWEN3_32B, DFLASH_DRAFT_32B),
+          "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
           "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "qwen3.5-27b": (QWEN35_27B, DFLASH_DRAFT_35_27B),
           "qwen3.5-35b-a3b": (QWEN35_35B_A3B, DFLASH_DRAFT_35_35B_A3B), "tiny": (TINY, TINY_DRAFT),
           "tiny-moe": (TINY_MOE, TINY_DRAFT), "tiny-hybrid": (TINY_HYBRID, TINY_DRAFT)}
 # Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
 # enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
-CEILING_SIZES = {"qwen3-8b": (1024, 8192), "llama3.1-8b": (1024, 8192), "qwen3-30b-a3b": (1024, 8192),
+CEILING_SIZES = {"qwen3-8b": (1024, 8192), "qwen3-32b": (1024, 8192), "llama3.1-8b": (1024, 8192),
+                 "qwen3-30b-a3b": (1024, 8192),
                  "qwen3.5-27b": (1024, 8192), "qwen3.5-35b-a3b": (1024, 8192),
                  "tiny": (8, 512), "tiny-moe": (8, 512), "tiny-hybrid": (8, 512)}
 
@@ -323,14 +334,24 @@ def require_gpu(shape: str) -> None:
         raise SystemExit(2)
 
 
-def random_models(shape: str) -> tuple[Target, Draft]:
+def random_models(shape: str, tensor_parallel: TensorParallel | None = None) -> tuple[Target, Draft]:
     """A bf16 target and draft of ``SHAPES[shape]`` with random weights (speed does not depend
-    on their values)."""
+    on their values), made on one device or straight into their slices on the mesh of
+    ``tensor_parallel`` (random values need no reordering into the split layout)."""
     target_config, draft_config = SHAPES[shape]
-    target = Target(target_config, jax.jit(init_target_params, static_argnums=(0, 2))(
-        target_config, jax.random.key(0), jnp.bfloat16))
-    draft = Draft(draft_config, jax.jit(init_draft_params, static_argnums=(0, 2))(
-        draft_config, jax.random.key(1), jnp.bfloat16))
+    make_target = functools.partial(init_target_params, target_config, jax.random.key(0), jnp.bfloat16)
+    make_draft = functools.partial(init_draft_params, draft_config, jax.random.key(1), jnp.bfloat16)
+    if tensor_parallel is None:
+        return Target(target_config, jax.jit(make_target)()), Draft(draft_config, jax.jit(make_draft)())
+    mesh = tensor_parallel.mesh
+    local_config(target_config, tensor_parallel.size, expert_parallel=tensor_parallel.expert_parallel)
+    local_draft_config(draft_config, tensor_parallel)
+    target_specs = specs(target_layout(jax.eval_shape(make_target), target_config, tensor_parallel.expert_parallel))
+    draft_specs = specs(draft_layout(jax.eval_shape(make_draft), draft_config, tensor_parallel))
+    target = Target(target_config, jax.jit(make_target, out_shardings=named(target_specs, mesh))(),
+                    tensor_parallel=tensor_parallel)
+    draft = Draft(draft_config, jax.jit(make_draft, out_shardings=named(draft_specs, mesh))(),
+                  tensor_parallel=tensor_parallel)
     return target, draft
 
 

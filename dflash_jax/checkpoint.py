@@ -50,7 +50,7 @@ def _key_path(path) -> tuple:
     return tuple(getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path)
 
 
-def _leaves_by_path(params) -> dict[tuple, Any]:
+def leaves_by_path(params) -> dict[tuple, Any]:
     """Every non-None leaf of a params pytree under its key path (``("layers", 0, "o_proj")``)."""
     return {_key_path(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
@@ -128,7 +128,7 @@ def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ign
     tensor at a time besides the leaves still incomplete. CheckpointError for tensors missing at
     the end."""
     where = str(directory)
-    shapes = {path: leaf.shape for path, leaf in _leaves_by_path(structure).items()}
+    shapes = {path: leaf.shape for path, leaf in leaves_by_path(structure).items()}
     seen = set()
     parts_left = collections.Counter(slot.path for slot in slots.values() if slot.is_part)
     buffers = {}
@@ -248,21 +248,27 @@ def hf_source(directory: str | Path, kind: str, dtype, *, progress: bool = False
     return source(Path(directory), dtype, progress)
 
 
-def _collect(structure, leaves: Iterator, host: bool):
+Place = Callable[[tuple, np.ndarray], jax.Array]
+
+
+def _collect(structure, leaves: Iterator, host: bool, place: Place | None = None):
     """The params pytree of a leaf stream: numpy leaves (``host``) or device arrays, each put on
-    the device as it arrives."""
-    return _fill(structure, {path: array if host else jax.device_put(array) for path, array in leaves})
+    the device as it arrives (or ``place(key path, host array)``d: split over a mesh)."""
+    place = place or (lambda _, array: jax.device_put(array))
+    return _fill(structure, {path: array if host else place(path, array) for path, array in leaves})
 
 
 def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
-                   progress: bool = False) -> tuple[ModelConfig, TargetParams]:
+                   progress: bool = False, place: Place | None = None) -> tuple[ModelConfig, TargetParams]:
     """Load an HF target folder of any supported family (single file or sharded; any float
     dtype) as ``dtype`` params.
 
-    ``host=True`` keeps numpy leaves; ``progress`` shows a tqdm bar over tensors on stderr.
+    ``host=True`` keeps numpy leaves; ``progress`` shows a tqdm bar over tensors on stderr;
+    ``place(key path, host array)`` puts each leaf where it goes as it is read (default: the
+    default device).
     """
     config, structure, leaves = _target_source(Path(directory), dtype, progress)
-    return config, _collect(structure, leaves, host)
+    return config, _collect(structure, leaves, host, place)
 
 
 def _warn_if_head_differs(directory: Path, head_name: str, embed) -> None:
@@ -280,10 +286,11 @@ def _warn_if_head_differs(directory: Path, head_name: str, embed) -> None:
 
 
 def load_hf_draft(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
-                  progress: bool = False) -> tuple[DraftConfig, DraftParams]:
-    """Load a DFlash draft in z-lab or speculators format (``host``/``progress`` as for targets)."""
+                  progress: bool = False, place: Place | None = None) -> tuple[DraftConfig, DraftParams]:
+    """Load a DFlash draft in z-lab or speculators format (``host``/``progress``/``place`` as for
+    targets)."""
     config, structure, leaves = _draft_source(Path(directory), dtype, progress)
-    return config, _collect(structure, leaves, host)
+    return config, _collect(structure, leaves, host, place)
 
 
 def _check_identity_d2t(directory: Path) -> None:
@@ -352,7 +359,7 @@ class HFTensor(NamedTuple):
 def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
     """Every slot's tensor in ``params``, after checking that ``params`` holds exactly the slots'
     leaves with the slots' shapes (the inverse of loading)."""
-    leaves = _leaves_by_path(params)
+    leaves = leaves_by_path(params)
     extra = sorted(".".join(map(str, p)) for p in set(leaves) - {slot.path for slot in slots.values()})
     if extra:
         raise CheckpointError(f"params carry leaves that this config has no tensor for: {extra}")
@@ -431,7 +438,7 @@ def _nest(leaves: dict[tuple, Any], group: tuple) -> dict:
 
 def _group_leaves(tree) -> dict[tuple, Any]:
     """{relative key path: leaf} of a group's nested tree (the inverse of ``_nest``)."""
-    return {tuple(str(k) for k in path): leaf for path, leaf in _leaves_by_path(tree).items()}
+    return {tuple(str(k) for k in path): leaf for path, leaf in leaves_by_path(tree).items()}
 
 
 def _params_writer():
@@ -460,8 +467,8 @@ def save_params(directory: Path, params) -> None:
     memory (a 60 GB MoE converts on a 24 GB machine), never the whole model."""
     import orbax.checkpoint as ocp
 
-    stream = params if isinstance(params, LeafStream) else LeafStream(params, iter(_leaves_by_path(params).items()))
-    expected = collections.Counter(_group_of(path) for path in _leaves_by_path(stream.structure))
+    stream = params if isinstance(params, LeafStream) else LeafStream(params, iter(leaves_by_path(params).items()))
+    expected = collections.Counter(_group_of(path) for path in leaves_by_path(stream.structure))
     root = (directory / PARAMS_DIR).absolute()
     root.mkdir()
     pending: dict[tuple, dict] = collections.defaultdict(dict)
@@ -497,11 +504,12 @@ def _unreadable_params(directory: str | Path):
 
 
 def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Sharding | None = None, *,
-                   progress: bool = False):
+                   progress: bool = False, place: Place | None = None):
     """Read the params written by ``save_params`` into the structure of ``abstract``
     (ShapeDtypeStructs): leaves are cast to its dtypes and placed with ``sharding`` (default: the
-    first device). Raises CheckpointError naming the leaf when the stored params do not match
-    ``abstract`` (orbax itself would fill a missing leaf with None), before reading any weights.
+    first device), or read to host memory a layer at a time and ``place(key path, host array)``d.
+    Raises CheckpointError naming the leaf when the stored params do not match ``abstract``
+    (orbax itself would fill a missing leaf with None), before reading any weights.
 
     Reads one group (a layer) at a time, which bounds the host memory orbax stages to about one
     layer and lets ``progress`` show a tqdm bar over bytes on stderr."""
@@ -510,7 +518,7 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
     root = (Path(directory) / PARAMS_DIR).absolute()
     wanted = collections.defaultdict(dict)  # group -> {relative path: abstract leaf}
     full_path = {}
-    for path, leaf in _leaves_by_path(abstract).items():
+    for path, leaf in leaves_by_path(abstract).items():
         group = _group_of(path)
         relative = tuple(str(k) for k in (path[len(group):] or path[-1:]))
         wanted[group][relative] = leaf
@@ -538,6 +546,12 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
                     raise CheckpointError(f"{directory}: params leaf '{'.'.join(map(str, path))}' is "
                                           f"{describe(have)} in the checkpoint, config.json expects {describe(want)}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def restore_arg(leaf):  # to host memory when placed afterwards, else straight onto the device(s)
+        if place is not None:
+            return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+        return ocp.ArrayRestoreArgs(sharding=sharding, dtype=leaf.dtype, global_shape=leaf.shape)
+
     values = {}
     total = sum(leaf.size * leaf.dtype.itemsize for group in wanted.values() for leaf in group.values())
     with _unreadable_params(directory), \
@@ -547,10 +561,10 @@ def restore_params(directory: str | Path, abstract, sharding: jax.sharding.Shard
         for name, group in sorted(names.items()):
             leaves = wanted[group]
             item = _nest({relative: leaf for relative, leaf in leaves.items()}, ())
-            restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(
-                sharding=sharding, dtype=leaf.dtype, global_shape=leaf.shape), item)
+            restore_args = jax.tree.map(restore_arg, item)
             out = checkpointer.restore(root / name, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
             for relative, leaf in _group_leaves(out).items():
-                values[full_path[group, relative]] = leaf
+                path = full_path[group, relative]
+                values[path] = leaf if place is None else place(path, np.asarray(leaf))
                 bar.update(leaves[relative].size * leaves[relative].dtype.itemsize)
     return _fill(abstract, values)

@@ -42,6 +42,9 @@ class ModelConfig:
     (a ConfigError when layers differ), for the code and the users that think in those terms.
     ``zero_centred_norms``: the decoder's RMSNorm weights w (layer norms, q/k norms, final norm)
     scale by 1 + w, as stored in the checkpoint (Qwen3.5 / Qwen3-Next).
+    ``tensor_axis``: the mesh axis over which this config is one shard's part of a split model
+    (``dflash_jax.sharding.local_config``): row-parallel results are summed over it. None on one
+    device.
     """
 
     family: str
@@ -53,6 +56,7 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
     zero_centred_norms: bool = False
+    tensor_axis: str | None = None
 
     def __post_init__(self):
         if not self.layers:

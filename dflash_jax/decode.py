@@ -25,12 +25,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from dflash_jax import draft as draft_model
 from dflash_jax import target as target_model
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig, ModelConfig
+from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
 from dflash_jax.params import DraftParams, TargetParams
+from dflash_jax.sharding import (TensorParallel, cache_specs, draft_layout, local_config, local_draft_config, specs,
+                                 target_layout)
 from dflash_jax.sampling import (SamplingConfig, accept_greedy, accept_sampling, choose, leading_run,
                                  sample_probs, sampling_probs)
 
@@ -42,13 +46,16 @@ class LoopConfig:
     compiled code through the state's tree structure).
     ``accept_replay`` (benchmarks only) replaces the accept decision: each draft position is
     accepted independently with probability ``replay_alpha`` (a run-time argument of
-    ``decode_chunk``, so one compile serves every alpha), up to the first rejection."""
+    ``decode_chunk``, so one compile serves every alpha), up to the first rejection.
+    ``tensor_parallel``: the models are split over its mesh; prefill and chunk then run as one
+    ``shard_map`` program each, every device on its slices with the ``local`` configs."""
 
     target: ModelConfig
     draft: DraftConfig | None
     block_size: int
     impl: str = "auto"
     accept_replay: bool = False
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self):
         if self.draft is None and self.block_size != 1:
@@ -60,6 +67,13 @@ class LoopConfig:
     @property
     def tap_layers(self) -> tuple[int, ...]:
         return self.draft.target_layer_ids if self.draft is not None else ()
+
+    def local(self) -> "LoopConfig":
+        """What each device of the mesh runs: the configs of its shards (``sharding``)."""
+        tp = self.tensor_parallel
+        return dataclasses.replace(self, target=local_config(self.target, tp.size, expert_parallel=tp.expert_parallel),
+                                   tensor_parallel=None,
+                                   draft=None if self.draft is None else local_draft_config(self.draft, tp))
 
     def for_prefill(self) -> "LoopConfig":
         """This config less what prefill does not use (the run-time block size, replay), so one
@@ -128,6 +142,21 @@ def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array,
     (``prefill_chunk``), each committed as it ends, pick the first token and return the loop's
     initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps; ``sampling`` as
     ``SamplingConfig.as_arrays`` gives it, so its values compile nothing)."""
+    if config.tensor_parallel is not None:
+        body = functools.partial(_prefill, config=config.local(), buffer_len=buffer_len, max_steps=max_steps)
+        inputs = (prompts, prompt_lens, max_new_tokens, stop_tokens)
+        return _on_mesh(body, config, (target, draft, *inputs, cache, key, sampling),
+                        (*_param_specs(target, draft, config), *(P(),) * len(inputs),
+                         cache_specs(cache, config.tensor_parallel),
+                         P(), _replicated(sampling)),
+                        _state_specs(sampling, cache_specs(cache, config.tensor_parallel)))
+    return _prefill(target, draft, prompts, prompt_lens, max_new_tokens, stop_tokens, cache, key, sampling,
+                    config=config, buffer_len=buffer_len, max_steps=max_steps)
+
+
+def _prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
+             max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array,
+             sampling: SamplingConfig, *, config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
     batch, padded = prompts.shape
     chunk = prefill_chunk(batch, padded)
     tap_layers = config.tap_layers if config.draft is not None else ()
@@ -153,7 +182,7 @@ def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array,
     last = jnp.zeros((batch, config.target.hidden_size), target.embed.dtype)
     cache, last = jax.lax.fori_loop(0, padded // chunk, run_chunk, (cache.emptied(), last))
     key, first_key = jax.random.split(key)
-    first = choose(first_key, target_model.logits(target, last), sampling)
+    first = choose(first_key, target_model.logits(target, last), sampling, config.target.tensor_axis)
     done = _is_stop(first[:, None], stop_tokens)[:, 0] | (max_new_tokens <= 1)
     return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
                        num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
@@ -169,11 +198,13 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     batch = state.last_token.shape[0]
     masks = jnp.full((batch, config.block_size - 1), config.draft.mask_token_id, jnp.int32)
     block = jnp.concatenate([state.last_token[:, None], masks], axis=1)
-    hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl)
-    logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:])
+    vocab_axis = config.target.tensor_axis
+    hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl,
+                                      vocab_axis=vocab_axis)
+    logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:], vocab_axis)
     if state.sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    probs = sampling_probs(logits, state.sampling)
+        return vocab_argmax(logits, vocab_axis), None
+    probs = sampling_probs(gather_vocab(logits, vocab_axis), state.sampling)
     return sample_probs(key, probs), probs
 
 
@@ -181,17 +212,19 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
             sampling: SamplingConfig, config: LoopConfig,
             replay_alpha: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(accepted drafts n [B], bonus token [B]) for verify logits [B, block, V]."""
+    vocab_axis = config.target.tensor_axis
     if config.draft is None:
-        return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], sampling)
+        return jnp.zeros(logits.shape[:1], jnp.int32), choose(key, logits[:, 0], sampling, vocab_axis)
     if config.accept_replay:
         replay_key, key = jax.random.split(key)
         hits = jax.random.uniform(replay_key, drafts.shape) < replay_alpha
         accepted = leading_run(hits & (jnp.arange(drafts.shape[1])[None, :] < block_lens[:, None] - 1))
         next_logits = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
-        return accepted, choose(key, next_logits, sampling)
+        return accepted, choose(key, next_logits, sampling, vocab_axis)
     if sampling.greedy:
-        return accept_greedy(drafts, logits, block_lens)
-    return accept_sampling(key, drafts, draft_probs, sampling_probs(logits, sampling), block_lens)
+        return accept_greedy(drafts, logits, block_lens, vocab_axis)
+    return accept_sampling(key, drafts, draft_probs, sampling_probs(gather_vocab(logits, vocab_axis), sampling),
+                           block_lens)
 
 
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
@@ -276,6 +309,20 @@ def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
     check_steps_per_check(num_steps, steps_per_check)
+    if config.tensor_parallel is not None:
+        body = functools.partial(_decode_chunk, config=config.local(), num_steps=num_steps,
+                                 steps_per_check=steps_per_check)
+        specs_of_state = state_specs(state, config.tensor_parallel)
+        return _on_mesh(body, config, (target, draft, state, replay_alpha),
+                        (*_param_specs(target, draft, config), specs_of_state, None if replay_alpha is None else P()),
+                        specs_of_state)
+    return _decode_chunk(target, draft, state, replay_alpha, config=config, num_steps=num_steps,
+                         steps_per_check=steps_per_check)
+
+
+def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
+                  replay_alpha: jax.Array | None, *, config: LoopConfig, num_steps: int,
+                  steps_per_check: int) -> DecodeState:
     stop_at = state.iteration + num_steps
 
     def running(s: DecodeState):
@@ -288,3 +335,37 @@ def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
                                  lambda _, s: decode_step(target, draft, s, config, replay_alpha, kv_proj), s)
 
     return jax.lax.while_loop(running, steps, state)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def _replicated(tree):
+    return jax.tree.map(lambda _: P(), tree)
+
+
+def _param_specs(target: TargetParams, draft: DraftParams | None, config: LoopConfig) -> tuple:
+    tp = config.tensor_parallel
+    return (specs(target_layout(target, config.target, tp.expert_parallel)),
+            None if draft is None else specs(draft_layout(draft, config.draft, tp)))
+
+
+def state_specs(state: DecodeState, tensor_parallel: TensorParallel) -> DecodeState:
+    """PartitionSpecs of a DecodeState (or its ShapeDtypeStructs): the cache's pools split
+    (``sharding.cache_specs``), the rest replicated."""
+    return _state_specs(state.sampling, cache_specs(state.cache, tensor_parallel))
+
+
+def _state_specs(sampling: SamplingConfig, cache) -> DecodeState:
+    rep = P()
+    return DecodeState(tokens=rep, num_generated=rep, last_token=rep, done=rep, max_new_tokens=rep, stop_tokens=rep,
+                       sampling=_replicated(sampling), cache=cache, steps=rep, accept_lengths=rep, key=rep,
+                       iteration=rep)
+
+
+def _on_mesh(body, config: LoopConfig, args: tuple, in_specs: tuple, out_specs):
+    """``body(*args)`` as one program per device of the config's mesh. The replication of
+    results is not checked by jax (``check_vma=False``): every replicated value is computed
+    from summed or gathered ones, identical on every device, and the tests compare whole runs."""
+    return jax.shard_map(body, mesh=config.tensor_parallel.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)

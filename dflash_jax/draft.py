@@ -15,6 +15,7 @@ from dflash_jax import ops
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig
 from dflash_jax.nn import attention, decoder
+from dflash_jax.nn.tensor_parallel import embed_lookup, local_vocab
 from dflash_jax.params import DraftParams, TargetParams
 from dflash_jax.target import logits as target_logits
 from pallas_kernels import rms_norm, split_qkv
@@ -72,22 +73,27 @@ def layer_stack(params: DraftParams, config: DraftConfig, x: jax.Array, position
         q, k, v = attention.block_qkv(qkv, layer, spec, block_positions, eps, impl)
         return attend(index, q, k, v), state
 
-    x, _, _ = decoder.run(params.layers, config.model.layers, x, positions, block_attend, None, eps=eps, impl=impl)
+    x, _, _ = decoder.run(params.layers, config.model.layers, x, positions, block_attend, None, eps=eps, impl=impl,
+                          tensor_axis=config.model.tensor_axis)
     return rms_norm(x, params.norm, eps)
 
 
-def embed_block(config: DraftConfig, target: TargetParams, block: jax.Array) -> jax.Array:
-    """Block tokens [B, T] through the target's embedding (x input_embedding_scale)."""
-    x = target.embed[block]
+def embed_block(config: DraftConfig, target: TargetParams, block: jax.Array,
+                vocab_axis: str | None = None) -> jax.Array:
+    """Block tokens [B, T] through the target's embedding (x input_embedding_scale); its rows
+    split over ``vocab_axis`` when the target is (``nn.tensor_parallel``)."""
+    x = embed_lookup(target.embed, block, vocab_axis)
     if config.input_embedding_scale != 1.0:  # in f32, then rounded: as torch scales bf16 by a float
         x = (x.astype(jnp.float32) * config.input_embedding_scale).astype(x.dtype)
     return x
 
 
 def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams, block: jax.Array,
-                 cache: PagedKVCache, block_lens: jax.Array, *, impl: str = "auto") -> jax.Array:
+                 cache: PagedKVCache, block_lens: jax.Array, *, impl: str = "auto",
+                 vocab_axis: str | None = None) -> jax.Array:
     """Draft hidden [B, T, H] for block [B, T] = [last token, mask x (T-1)] at positions
-    lengths[b] + t, attending to the cached context and the block's first block_lens[b] keys."""
+    lengths[b] + t, attending to the cached context and the block's first block_lens[b] keys
+    (``vocab_axis``: the target's, as for ``embed_block``)."""
     context_lens = cache.lengths
     positions = context_lens[:, None] + jnp.arange(block.shape[1], dtype=jnp.int32)[None, :]
 
@@ -97,12 +103,13 @@ def block_hidden(params: DraftParams, config: DraftConfig, target: TargetParams,
             block_lens, sliding_window=config.model.window(index),
             causal=bool(config.causal_layers[index]), impl=impl)
 
-    return layer_stack(params, config, embed_block(config, target, block), positions, attend, impl=impl)
+    return layer_stack(params, config, embed_block(config, target, block, vocab_axis), positions, attend, impl=impl)
 
 
 def draft_logits(params: DraftParams, config: DraftConfig, target: TargetParams,
-                 hidden: jax.Array) -> jax.Array:
-    """Logits over the target vocabulary [..., V] (f32) from draft hidden states."""
+                 hidden: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """Logits over the target vocabulary [..., V] (f32) from draft hidden states; with
+    ``vocab_axis`` (a split target) this shard's columns of them, as the target's head gives."""
 
     def shaped(logits):  # the config's output multiplier and soft cap
         if config.output_multiplier != 1.0:
@@ -118,4 +125,4 @@ def draft_logits(params: DraftParams, config: DraftConfig, target: TargetParams,
     small = jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
     target_ids = jnp.arange(small.shape[-1]) + params.d2t
     logits = jnp.full((*small.shape[:-1], config.model.vocab_size), -jnp.inf, jnp.float32)
-    return logits.at[..., target_ids].set(shaped(small))
+    return local_vocab(logits.at[..., target_ids].set(shaped(small)), vocab_axis)

@@ -22,16 +22,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from dflash_jax import distributed
 from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import (COMPILE_CACHE_HELP, deferred_interrupts, exit_with, interrupt_exits, keep_compiled_programs,
-                            named_as_flags, one_line_warnings, or_na)
+from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, deferred_interrupts, exit_with, interrupt_exits,
+                            keep_compiled_programs, named_as_flags, one_line_warnings, or_na)
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
-                               default_steps_per_check, prefill)
+                               default_steps_per_check, prefill, state_specs)
 from dflash_jax.models import DTYPES, Draft, Target, load_draft, load_target
 from dflash_jax.ops import check_kernel_shapes
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.sharding import TensorParallel, cache_specs, local_config, local_draft_config, make_mesh, named
 from dflash_jax.tokenizer import (TextStream, Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
                                   render_prompts)
 from pallas_kernels.tuning import next_power_of_2
@@ -188,12 +193,43 @@ def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [row[:count].tolist() for row, count in zip(rows, counts)]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num_pages: int, page_size: int,
-                  dtype) -> PagedKVCache:
+                  dtype, tensor_parallel: TensorParallel | None) -> PagedKVCache:
     """``init_cache`` compiled once per shape (``prepare`` compiles it with the rest), so timing a
-    prefill times no compilation."""
-    return init_cache(target, draft, page_table, num_pages, page_size, dtype)
+    prefill times no compilation; split over the mesh of ``tensor_parallel`` when given."""
+    cache = init_cache(target, draft, page_table, num_pages, page_size, dtype)
+    if tensor_parallel is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, named(cache_specs(cache, tensor_parallel), tensor_parallel.mesh))
+
+
+def _replicated(tree, tensor_parallel: TensorParallel | None):
+    """Inputs of a split program: a copy on every device of the mesh (as they are on one device).
+    Each process fills its own devices from its host copy (a mesh may span several processes,
+    whose devices no other process can write); an array already replicated is passed as is."""
+    if tensor_parallel is None:
+        return tree
+    sharding = NamedSharding(tensor_parallel.mesh, P())
+
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda _: host)
+
+    return jax.tree.map(put, tree)
+
+
+def _abstract_on_mesh(abstract, spec_tree, tensor_parallel: TensorParallel | None):
+    """ShapeDtypeStructs of ``abstract`` carrying the shardings of ``spec_tree`` (what a split
+    program is compiled for)."""
+    if tensor_parallel is None:
+        return abstract
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
+                        named(spec_tree, tensor_parallel.mesh))
 
 
 @dataclasses.dataclass
@@ -222,7 +258,7 @@ class PreparedGeneration:
         """``_zeroed_cache``'s arguments for this batch."""
         draft = None if self.config.draft is None else self.config.draft.model
         return (jnp.asarray(self.page_table, jnp.int32), self.config.target, draft, self.num_pages, self.page_size,
-                self.target.params.embed.dtype)
+                self.target.params.embed.dtype, self.config.tensor_parallel)
 
     def new_cache(self) -> PagedKVCache:
         return _zeroed_cache(*self._cache_args())
@@ -230,12 +266,13 @@ class PreparedGeneration:
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
         return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
-                               jax.random.key(seed), self.sampling)
+                               _replicated(jax.random.key(seed), self.config.tensor_parallel), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | jax.Array | None = None) -> DecodeState:
         """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated); a
         ``replay_alpha`` from ``replay_alpha_array`` is passed without a host-to-device copy."""
-        return self.chunk_fn(self.target.params, self._draft_params, state, replay_alpha_array(replay_alpha))
+        return self.chunk_fn(self.target.params, self._draft_params, state,
+                             _replicated(replay_alpha_array(replay_alpha), self.config.tensor_parallel))
 
     @property
     def _draft_params(self):
@@ -250,8 +287,10 @@ class PreparedGeneration:
             raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
         if replay_alpha is not None and not 0 <= replay_alpha <= 1:
             raise ValueError(f"replay_alpha (an acceptance probability) must be in [0, 1], got {replay_alpha}")
-        alpha = replay_alpha_array(replay_alpha)
+        alpha = _replicated(replay_alpha_array(replay_alpha), self.config.tensor_parallel)
         batch = self.inputs[0].shape[0]
+        if jax.process_count() > 1:  # the others may still be compiling: time the prefill, not the wait
+            multihost_utils.sync_global_devices("dflash_jax prefill")
         start = time.perf_counter()
         state = jax.block_until_ready(self.prefill(seed))
         prefill_seconds = time.perf_counter() - start
@@ -345,10 +384,16 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
         raise ValueError("block_size needs a draft")
     elif accept_replay:
         raise ValueError("accept_replay replays the acceptance of a draft's proposals: it needs a draft")
+    tensor_parallel = target.tensor_parallel
+    if draft is not None and draft.tensor_parallel != tensor_parallel:
+        raise ValueError("the draft and the target must be on the same mesh (load the draft with its split target, "
+                         "or split both with models.split_target / split_draft)")
     config = LoopConfig(target=target.config, draft=None if draft is None else draft.config,
-                        block_size=1 if block_size is None else block_size, impl=impl, accept_replay=accept_replay)
+                        block_size=1 if block_size is None else block_size, impl=impl, accept_replay=accept_replay,
+                        tensor_parallel=tensor_parallel)
 
-    configs = [target.config] + ([draft.config.model] if draft is not None else [])
+    local = config if tensor_parallel is None else config.local()  # the shapes each device's kernels see
+    configs = [local.target] + ([local.draft.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size, target.params.embed.dtype.itemsize)
     lens = [len(p) for p in prompts]
     padded_len = _round_up(_bucket(max(lens)), page_size)
@@ -366,8 +411,9 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
-    inputs = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
-              jnp.asarray(_stop_array(_stop_lists(stop_token_ids, batch, target.config.vocab_size))))
+    inputs = _replicated((jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
+                          jnp.asarray(_stop_array(_stop_lists(stop_token_ids, batch, target.config.vocab_size)))),
+                         tensor_parallel)
     max_steps = _bucket(max(max_new))  # buffers; each row stops at its own max_new_tokens
     num_steps = chunk_steps or max_steps
     if chunk_steps is not None and chunk_steps < 1:
@@ -378,16 +424,22 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
-    prepared = PreparedGeneration(config, target, draft, inputs, sampling.as_arrays(), page_table, num_pages,
-                                  page_size, max_steps, num_steps, None, None, 0.0)
+    prepared = PreparedGeneration(config, target, draft, inputs, _replicated(sampling.as_arrays(), tensor_parallel),
+                                  page_table, num_pages, page_size, max_steps, num_steps, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
-    check_cache_fits(cache_shape)
-    args = (target.params, prepared._draft_params, *inputs, cache_shape, jax.random.key(0), prepared.sampling)
+    check_cache_fits(cache_shape, 1 if tensor_parallel is None else tensor_parallel.size)
+    if tensor_parallel is not None:
+        cache_shape = _abstract_on_mesh(cache_shape, cache_specs(cache_shape, tensor_parallel), tensor_parallel)
+    args = (target.params, prepared._draft_params, *inputs, cache_shape,
+            _replicated(jax.random.key(0), tensor_parallel), prepared.sampling)
     start = time.perf_counter()
     _zeroed_cache.lower(*prepared._cache_args()).compile()  # jit's cache keeps it for new_cache
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
+    if tensor_parallel is not None:
+        state_shape = _abstract_on_mesh(state_shape, state_specs(state_shape, tensor_parallel), tensor_parallel)
+        alpha = _abstract_on_mesh(alpha, P(), tensor_parallel) if accept_replay else None
     prepared.chunk_fn = decode_chunk.lower(target.params, prepared._draft_params, state_shape, alpha,
                                            config=config, num_steps=num_steps,
                                            steps_per_check=steps_per_check).compile()
@@ -438,15 +490,15 @@ def _read_prompts(args) -> list[str | list[dict]]:
     return read_prompt_file(args.batch_file, "--batch-file")
 
 
-def check_cache_fits(cache: PagedKVCache) -> None:
-    """ValueError when the paged KV cache (its shapes: target and draft layers) would not fit in
-    the device memory left beside what is already there (the weights), as far as the device
-    reports it (GPUs do; CPUs report nothing)."""
-    stats = jax.devices()[0].memory_stats() or {}
+def check_cache_fits(cache: PagedKVCache, shards: int = 1) -> None:
+    """ValueError when the paged KV cache (its shapes: target and draft layers; split over
+    ``shards`` devices) would not fit in the device memory left beside what is already there (the
+    weights), as far as the device reports it (GPUs do; CPUs report nothing)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if not stats.get("bytes_limit"):
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    needed = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)) // shards
     if needed > free:
         raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
                          "slots: each sequence's prompt + max_new_tokens + a block) and the device has "
@@ -461,7 +513,7 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
 
 
-def _check_flags(args, draft_dir) -> None:
+def _check_flags(args, draft_dir, processes: distributed.Processes | None) -> None:
     """Reject bad numeric flags before any model is loaded (the library checks them too, later)."""
     for flag in ("max_new_tokens", "page_size", "chunk_steps", "steps_per_check"):
         value = getattr(args, flag)
@@ -469,11 +521,18 @@ def _check_flags(args, draft_dir) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.block_size is not None and draft_dir is None:
         raise ValueError("--block-size needs a draft")
+    if args.replicate_draft and (args.tp == 1 or draft_dir is None):
+        raise ValueError("--replicate-draft needs --tp > 1 and a draft")
+    if args.expert_parallel and args.tp == 1:
+        raise ValueError("--expert-parallel needs --tp > 1")
+    if processes is not None and processes.num_processes > 1 and args.tp != jax.device_count():
+        raise ValueError(f"--tp {args.tp}: {processes.num_processes} processes split the model over all their "
+                         f"devices, {jax.device_count()} in all: pass --tp {jax.device_count()}")
     chat_options(args)
     check_seed(args.seed)
     if args.steps_per_check is not None:
         check_steps_per_check(args.chunk_steps, args.steps_per_check)
-    if args.stats_json:
+    if args.stats_json and distributed.is_first(processes):  # the process that writes it
         if Path(args.stats_json).is_dir():
             raise IsADirectoryError(f"--stats-json {args.stats_json} is a folder: give a file name")
         if not Path(args.stats_json).parent.is_dir():
@@ -533,6 +592,15 @@ def _parser() -> argparse.ArgumentParser:
                         "norm/RoPE kernels that write KV pages, XLA for the rest; references elsewhere. pallas: "
                         "every kernel; interpret: the kernels in Pallas interpret mode (slow; for checking)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--tp", type=at_least(1), default=1,
+                   help="tensor parallelism: split the target (and the draft) over this many devices; each "
+                        "device reads only its slices of the checkpoint. With several processes (hosts): "
+                        "every device of every process")
+    p.add_argument("--replicate-draft", action="store_true",
+                   help="with --tp: a whole copy of the draft on every device instead of splitting it")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tp: deal a MoE target's routed experts out whole (num_experts / N a device) "
+                        "instead of splitting every expert's width")
     # Each chunk costs ~2.4 ms of host round trip at Qwen3-8B on an H200 (the GPU idles): 13%
     # of the step time at 4 steps per chunk, 4% at 16, which still streams ~10 updates a second.
     p.add_argument("--chunk-steps", type=int, default=16,
@@ -544,6 +612,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling seed in [0, 2**32): the same seed repeats a run's samples")
     p.add_argument("--stats-json", help="write the statistics here")
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
+    distributed.add_arguments(p)
     return p
 
 
@@ -569,15 +638,45 @@ def _first_difference(ours: list[list[int]], base: list[list[int]]) -> str:
     return "no difference"
 
 
+def _print_comparison(result: GenerationResult, base: GenerationResult, sampling: SamplingConfig, dtype: str) -> None:
+    """The --baseline comparison: DFlash's speedup, and whether the outputs are identical."""
+    identical = base.tokens == result.tokens
+    print(f"[compare] speedup {or_na(result.stats.speedup_over(base.stats), '{:.2f}x')} over plain decoding; "
+          f"outputs identical: {identical}" + ("" if sampling.greedy else " (sampling: not expected)"),
+          file=sys.stderr)
+    if not identical and sampling.greedy:
+        print(f"[compare] {_first_difference(result.tokens, base.tokens)}"
+              + ("" if dtype == "float32" else
+                 f"; in {dtype} a block verify and a one-token decode round differently, so "
+                 "a near-tie argmax can flip (--dtype float32, with JAX_DEFAULT_MATMUL_PRECISION="
+                 "highest on a GPU, compares exactly)"), file=sys.stderr)
+
+
 @one_line_warnings()
 @interrupt_exits()
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        processes = distributed.initialize(args)  # before anything touches a device
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        if not distributed.is_first(processes):
+            warnings.simplefilter("ignore")  # every process reads the same input: process 0 warns
+        return _generate(args, processes)
+
+
+def _generate(args, processes: distributed.Processes | None) -> int:
+    """``main`` after the ``processes`` (None: this one alone) have joined: only process 0 prints
+    results and writes --stats-json; the others compute beside it and print only errors."""
+    leader = distributed.is_first(processes)
     target_dir, draft_dir = args.target, args.draft
     if target_dir is None:
         if not (DEFAULT_MODEL / "target" / "config.json").is_file():
             print("No model to run: this install has no embedded default model yet.\n"
-                  "Pass an HF target folder (Qwen3, LLaMA or Qwen3-MoE; or one made by `python -m checkpoints_convert`):\n"
+                  "Pass an HF target folder (Qwen3, LLaMA, Qwen3-MoE, Qwen3.5 / Qwen3-Next; or one made by "
+                  "`python -m checkpoints_convert`):\n"
                   "  python -m dflash_jax.generate --target /path/to/Qwen3-8B "
                   "--draft /path/to/Qwen3-8B-DFlash-b16 --prompt 'Hello'", file=sys.stderr)
             return 2
@@ -585,53 +684,67 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline = args.baseline or not args.no_draft
     if args.no_draft:
         draft_dir = None
-    try:  # everything that reads the user's input, cheapest first; weights last
-        with named_as_flags(FLAGS):
-            sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-            _check_flags(args, draft_dir)
-        _warn_ignored_flags(args, sampling, draft_dir)
-        target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
-        with named_as_flags(FLAGS):
-            check_page_size(target_config, args.page_size)
-        if draft_dir:
-            draft_config = load_draft_config(draft_dir)
-            try:
-                draft_config.check_target(target_config)
-            except ValueError as error:
-                if args.target is None:  # the user's draft beside the embedded target
-                    raise ValueError(f"{error} (no --target was given, so the target is the embedded "
-                                     f"default model {target_dir}: pass your draft's target)") from error
-                raise
-            if args.block_size is not None and not 2 <= args.block_size <= draft_config.block_size:
-                raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
-                                 f"trained block size), got {args.block_size}")
-        tokenizer = Tokenizer(target_dir)
-        stop_ids = in_vocabulary(tokenizer.stop_token_ids, target_config.vocab_size, f"{target_dir}: ")
-        texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
-        prompts = [tokenizer.encode(t) for t in texts]
-        check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
-        block = (args.block_size or draft_config.block_size) if draft_dir else 1
-        check_kernel_shapes(args.impl, [target_config] + ([draft_config.model] if draft_dir else []),
-                            args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
-        keep_compiled_programs(args.compile_cache)
-        target = load_target(target_dir, args.dtype, progress=True)
-        draft = load_draft(draft_dir, target, args.dtype, progress=True) if draft_dir else None
+    # Everything that reads the user's input, cheapest first; weights last. Every process
+    # reads its own copy (another host's files may be missing): if one fails, all stop.
+    try:
+        with distributed.stop_together():
+            with named_as_flags(FLAGS):
+                sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+                _check_flags(args, draft_dir, processes)
+            _warn_ignored_flags(args, sampling, draft_dir)
+            target_config = load_target_config(target_dir)  # a swapped or wrong folder fails here
+            with named_as_flags(FLAGS):
+                check_page_size(target_config, args.page_size)
+            if draft_dir:
+                draft_config = load_draft_config(draft_dir)
+                try:
+                    draft_config.check_target(target_config)
+                except ValueError as error:
+                    if args.target is None:  # the user's draft beside the embedded target
+                        raise ValueError(f"{error} (no --target was given, so the target is the embedded "
+                                         f"default model {target_dir}: pass your draft's target)") from error
+                    raise
+                if args.block_size is not None and not 2 <= args.block_size <= draft_config.block_size:
+                    raise ValueError(f"--block-size must be in [2, {draft_config.block_size}] (the draft's "
+                                     f"trained block size), got {args.block_size}")
+            tokenizer = Tokenizer(target_dir)
+            stop_ids = in_vocabulary(tokenizer.stop_token_ids, target_config.vocab_size, f"{target_dir}: ")
+            texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
+            prompts = [tokenizer.encode(t) for t in texts]
+            check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
+            block = (args.block_size or draft_config.block_size) if draft_dir else 1
+            tensor_parallel = None
+            local_configs = [target_config] + ([draft_config.model] if draft_dir else [])
+            if args.tp > 1:
+                tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
+                                                 expert_parallel=args.expert_parallel)
+                local_configs = [local_config(target_config, args.tp, expert_parallel=args.expert_parallel)]
+                if draft_dir:
+                    local_configs.append(local_draft_config(draft_config, tensor_parallel).model)
+            check_kernel_shapes(args.impl, local_configs, args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
+            keep_compiled_programs(args.compile_cache)
+            target = load_target(target_dir, args.dtype, progress=leader, tensor_parallel=tensor_parallel)
+            draft = load_draft(draft_dir, target, args.dtype, progress=leader) if draft_dir else None
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     streaming = len(prompts) == 1
-    print(f"target {target_dir}" + (f", draft {draft_dir} (block {args.block_size or draft.config.block_size})"
-                                    if draft else ", no draft") + f", jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind}", file=sys.stderr)
+    if leader:
+        print(f"target {target_dir}" + (f", draft {draft_dir} (block {args.block_size or draft.config.block_size})"
+                                        if draft else ", no draft") + f", jax {jax.__version__} on "
+              + (f"{args.tp} x " if args.tp > 1 else "") + f"{jax.local_devices()[0].device_kind}"
+              + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else "")
+              + (" (draft replicated)" if args.replicate_draft else ""), file=sys.stderr)
 
     @_out_of_memory_as_error()
     def run(use_draft: Draft | None, stream: bool) -> GenerationResult:
         # Prepared (checked and compiled) before the prompt is echoed, so a bad setting is one
         # error line, not a half-printed answer.
-        prepared = prepare(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
-                           sampling=sampling, stop_token_ids=stop_ids,
-                           block_size=args.block_size if use_draft else None, page_size=args.page_size,
-                           impl=args.impl, chunk_steps=args.chunk_steps, steps_per_check=args.steps_per_check)
+        with distributed.stop_together():  # its memory check is each device's own
+            prepared = prepare(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
+                               sampling=sampling, stop_token_ids=stop_ids,
+                               block_size=args.block_size if use_draft else None, page_size=args.page_size,
+                               impl=args.impl, chunk_steps=args.chunk_steps, steps_per_check=args.steps_per_check)
         printer = TextStream(tokenizer)
         if stream:
             print(texts[0], end="", flush=True)
@@ -650,14 +763,15 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     try:
-        result = run(draft, streaming)
+        result = run(draft, streaming and leader)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not streaming:
-        for text, tokens in zip(texts, result.tokens):
-            print(f"=== {text!r}\n{tokenizer.decode(tokens)}\n")
-    _print_stats("dflash" if draft else "plain", result, draft is not None)
+    if leader:
+        if not streaming:
+            for text, tokens in zip(texts, result.tokens):
+                print(f"=== {text!r}\n{tokenizer.decode(tokens)}\n")
+        _print_stats("dflash" if draft else "plain", result, draft is not None)
     summary = {"dflash" if draft else "plain": result.stats.summary()}
     if draft is not None and args.baseline:
         try:
@@ -665,21 +779,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        _print_stats("plain", base, False)
-        speedup = result.stats.speedup_over(base.stats)
-        identical = base.tokens == result.tokens
-        print(f"[compare] speedup {or_na(speedup, '{:.2f}x')} over plain decoding; "
-              f"outputs identical: {identical}" + ("" if sampling.greedy else " (sampling: not expected)"),
-              file=sys.stderr)
-        if not identical and sampling.greedy:
-            print(f"[compare] {_first_difference(result.tokens, base.tokens)}"
-                  + ("" if args.dtype == "float32" else
-                     f"; in {args.dtype} a block verify and a one-token decode round differently, so "
-                     "a near-tie argmax can flip (--dtype float32, with JAX_DEFAULT_MATMUL_PRECISION="
-                     "highest on a GPU, compares exactly)"), file=sys.stderr)
+        if leader:
+            _print_stats("plain", base, False)
+            _print_comparison(result, base, sampling, args.dtype)
         summary["plain"] = base.stats.summary()
-        summary["speedup"] = speedup
-    if args.stats_json:
+        summary["speedup"] = result.stats.speedup_over(base.stats)
+    if args.stats_json and leader:
         try:
             Path(args.stats_json).write_text(json.dumps(summary, indent=2, allow_nan=False))
         except OSError as error:  # the statistics are on stderr above

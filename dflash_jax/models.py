@@ -8,25 +8,34 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, sharding
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
+from dflash_jax.sharding import TensorParallel
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
+    """A target's config and params; ``tensor_parallel``: the mesh its params are split over
+    (``dflash_jax.sharding``), None on one device."""
+
     config: ModelConfig
     params: TargetParams
     path: Path | None = None
+    tensor_parallel: TensorParallel | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
+    """A draft's config and params, split over ``tensor_parallel``'s mesh like its target's (or
+    replicated on it), None on one device."""
+
     config: DraftConfig
     params: DraftParams
     path: Path | None = None
+    tensor_parallel: TensorParallel | None = None
 
 
 def _dtype(dtype):
@@ -41,41 +50,92 @@ def _dtype(dtype):
     return DTYPES[name]
 
 
-def _restore_converted(path: Path, kind: str, init, progress: bool):
+def _placer(layout, tensor_parallel: TensorParallel | None) -> checkpoint.Place | None:
+    """``checkpoint``'s ``place`` for params of ``layout`` on the mesh (None: one device)."""
+    if tensor_parallel is None:
+        return None
+    by_path = checkpoint.leaves_by_path(layout)
+    return lambda path, array: sharding.place(array, by_path[path], tensor_parallel)
+
+
+def _restore_converted(path: Path, kind: str, init, progress: bool, layout=None, tensor_parallel=None):
     """Params of a converted folder, read straight into the dtypes of ``init()``'s params
-    (whatever dtype they were converted to) on the default device."""
+    (whatever dtype they were converted to) on the default device, or layer by layer onto the
+    mesh by ``layout`` (a converted folder holds the single-device layout: any degree reads it)."""
     checkpoint.read_marker(path, kind)
-    return checkpoint.restore_params(path, jax.eval_shape(init), progress=progress)
+    abstract = jax.eval_shape(init)
+    place = None if layout is None else _placer(layout(abstract), tensor_parallel)
+    return checkpoint.restore_params(path, abstract, progress=progress, place=place)
 
 
-def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False) -> Target:
+def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
+                tensor_parallel: TensorParallel | None = None) -> Target:
     """A target of any supported family from an HF folder (safetensors) or a folder made by
     checkpoints_convert.
-    ``progress`` shows a tqdm bar on stderr while the weights are read."""
+    ``progress`` shows a tqdm bar on stderr while the weights are read. With ``tensor_parallel``
+    each device receives only its slices as the checkpoint streams; a config that cannot be
+    split that way is refused before any weight is read."""
     path, dtype = Path(path), _dtype(dtype)
+    config = load_target_config(path)
+    layout = None
+    if tensor_parallel is not None:
+        experts_whole = tensor_parallel.expert_parallel
+        sharding.local_config(config, tensor_parallel.size, expert_parallel=experts_whole)
+        layout = lambda params: sharding.target_layout(params, config, experts_whole)  # noqa: E731
+    init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
     if checkpoint.is_converted(path):
-        config = load_target_config(path)
-        init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
-        return Target(config, _restore_converted(path, "target", init, progress), path)
-    config, params = checkpoint.load_hf_target(path, dtype, progress=progress)
-    return Target(config, params, path)
+        params = _restore_converted(path, "target", init, progress, layout, tensor_parallel)
+        return Target(config, params, path, tensor_parallel)
+    place = None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel)
+    config, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place)
+    return Target(config, params, path, tensor_parallel)
 
 
 def load_draft(path: str | Path, target: Target | None = None, dtype=None, *,
                progress: bool = False) -> Draft:
     """DFlash draft (z-lab or speculators format, or converted); checked against ``target``
     (``progress`` as for ``load_target``). ``dtype`` defaults to the target's (the draft's K/V
-    pages live beside the target's in one cache), else bfloat16."""
+    pages live beside the target's in one cache), else bfloat16. It goes on the target's mesh,
+    split like it unless the target's ``tensor_parallel.replicate_draft``."""
     if dtype is None:
         dtype = target.params.embed.dtype if target is not None else "bfloat16"
     path, dtype = Path(path), _dtype(dtype)
     config = load_draft_config(path)
+    tensor_parallel = None if target is None else target.tensor_parallel
+    layout = None
     if target is not None:
         config.check_target(target.config)
+    if tensor_parallel is not None:
+        sharding.local_draft_config(config, tensor_parallel)
+        layout = lambda params: sharding.draft_layout(params, config, tensor_parallel)  # noqa: E731
+    init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
     if checkpoint.is_converted(path):
-        init = lambda: init_draft_params(config, jax.random.key(0), dtype)  # noqa: E731
-        return Draft(config, _restore_converted(path, "draft", init, progress), path)
-    _, params = checkpoint.load_hf_draft(path, dtype, progress=progress)
+        return Draft(config, _restore_converted(path, "draft", init, progress, layout, tensor_parallel), path,
+                     tensor_parallel)
+    place = None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel)
+    _, params = checkpoint.load_hf_draft(path, dtype, progress=progress, place=place)
     if config.source_format == "speculators" and config.draft_vocab_size is None and target is not None:
         checkpoint.check_speculators_copies(path, target.params)
-    return Draft(config, params, path)
+    return Draft(config, params, path, tensor_parallel)
+
+
+def split_target(target: Target, tensor_parallel: TensorParallel) -> Target:
+    """``target`` (params on one device or host) split over the mesh: for params made in memory
+    (tests, benchmarks, training); checkpoints load split with ``load_target``."""
+    if target.tensor_parallel is not None:
+        raise ValueError("the target is already split over a mesh")
+    experts_whole = tensor_parallel.expert_parallel
+    sharding.local_config(target.config, tensor_parallel.size, expert_parallel=experts_whole)
+    params = sharding.placed(target.params, sharding.target_layout(target.params, target.config, experts_whole),
+                             tensor_parallel)
+    return dataclasses.replace(target, params=params, tensor_parallel=tensor_parallel)
+
+
+def split_draft(draft: Draft, tensor_parallel: TensorParallel) -> Draft:
+    """``draft`` on the mesh of a split target (``split_target``)."""
+    if draft.tensor_parallel is not None:
+        raise ValueError("the draft is already on a mesh")
+    sharding.local_draft_config(draft.config, tensor_parallel)
+    params = sharding.placed(draft.params, sharding.draft_layout(draft.params, draft.config, tensor_parallel),
+                             tensor_parallel)
+    return dataclasses.replace(draft, params=params, tensor_parallel=tensor_parallel)

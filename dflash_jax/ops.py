@@ -19,6 +19,8 @@ import pallas_kernels as pk
 from pallas_kernels import tuning as pk_tuning
 from pallas_kernels.verify_attention import padded_group
 
+from dflash_jax.nn.tensor_parallel import sum_partials
+
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
 
@@ -111,10 +113,23 @@ def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pag
     return pk.qkv_norm_rope_write(*args, **kw, **_kernel_kwargs(impl))
 
 
-def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residual=None, impl):
+def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residual=None, sum_over=None, impl):
     """A projection with its glue: [rms_norm(x)] @ w [+ bias] [-> silu(gate) * up] [+ residual].
-    The kernel has no bias: with one, it computes the product and the glue runs after it."""
+    The kernel has no bias: with one, it computes the product and the glue runs after it.
+    ``sum_over``: a mesh axis over which w is split by rows (tensor parallelism): the partial
+    products are summed (in f32) over it, then the bias and residual are added once."""
     impl = resolve_impl(impl, "fused_matmul")
+    if sum_over is not None:
+        if gated:
+            raise ValueError("a gated projection is column-parallel: it has nothing to sum over shards")
+        if impl == "reference":
+            y = pk.fused_matmul_reference(x, w, norm_weight=norm_weight, eps=eps)
+        else:
+            y = pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
+        y = sum_partials(y.astype("float32"), sum_over)
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
+        return pk.finish_projection(y.astype(x.dtype), residual, False, x.dtype)
     if impl == "reference":
         return pk.fused_matmul_reference(x, w, norm_weight=norm_weight, eps=eps, bias=bias, gated=gated,
                                          residual=residual)

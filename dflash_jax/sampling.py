@@ -13,6 +13,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
+
 
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 1.18e-38, float32's smallest normal number
 
@@ -110,11 +112,13 @@ def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
-    """Next token(s) from logits [..., V]: argmax when greedy, else a sample."""
+def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
+    """Next token(s) from logits [..., V]: argmax when greedy, else a sample. With ``vocab_axis``
+    the logits are this shard's vocabulary columns (``nn.tensor_parallel``): the argmax needs
+    only each shard's best, a sample the gathered logits."""
     if config.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return sample_probs(key, sampling_probs(logits, config))
+        return vocab_argmax(logits, vocab_axis)
+    return sample_probs(key, sampling_probs(gather_vocab(logits, vocab_axis), config))
 
 
 def leading_run(ok: jax.Array) -> jax.Array:
@@ -123,11 +127,12 @@ def leading_run(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
 
 
-def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array,
-                  block_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array, block_lens: jax.Array,
+                  vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Leading matches n [B] of draft_tokens [B, T-1] against argmax(target_logits [B, T, V])
-    (only the first block_lens-1 drafts count), and the bonus argmax(target[n]) [B]."""
-    posterior = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    (only the first block_lens-1 drafts count), and the bonus argmax(target[n]) [B]
+    (``vocab_axis`` as for ``choose``)."""
+    posterior = vocab_argmax(target_logits, vocab_axis)
     slots = jnp.arange(draft_tokens.shape[1])[None, :]
     match = (draft_tokens == posterior[:, :-1]) & (slots < block_lens[:, None] - 1)
     accepted = leading_run(match)

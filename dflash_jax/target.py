@@ -11,6 +11,7 @@ from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.nn import attention, decoder, gated_deltanet
 from dflash_jax.nn.attention import AttentionSpec
+from dflash_jax.nn.tensor_parallel import embed_lookup
 from dflash_jax.params import TargetParams
 from pallas_kernels import rms_norm
 
@@ -45,9 +46,10 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
     """
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     eps = config.rms_norm_eps
-    x, outputs, cache = decoder.run(params.layers, config.layers, params.embed[tokens], positions,
-                                    paged_attend(eps, impl), cache, eps=eps, impl=impl, tap_layers=tap_layers,
-                                    zero_centred_norms=config.zero_centred_norms)
+    x = embed_lookup(params.embed, tokens, config.tensor_axis)
+    x, outputs, cache = decoder.run(params.layers, config.layers, x, positions, paged_attend(eps, impl), cache,
+                                    eps=eps, impl=impl, tap_layers=tap_layers,
+                                    zero_centred_norms=config.zero_centred_norms, tensor_axis=config.tensor_axis)
     normed = rms_norm(x, decoder.norm_scale(params.norm) if config.zero_centred_norms else params.norm, eps)
     # HF's hidden_states[L] (what the z-lab reference taps for the last layer) is the final-normed
     # state, not the raw output of the last decoder layer.
@@ -58,7 +60,9 @@ def forward(params: TargetParams, config: ModelConfig, tokens: jax.Array, start:
 
 
 def logits(params: TargetParams, hidden: jax.Array) -> jax.Array:
-    """LM head (tied or not) with f32 accumulation and output."""
+    """LM head (tied or not) with f32 accumulation and output: [..., V], or under tensor
+    parallelism this shard's vocabulary columns [..., V / tp] (``nn.tensor_parallel`` picks or
+    samples across them)."""
     if params.lm_head is None:
         return jnp.einsum("...h,vh->...v", hidden, params.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from checkpoints_convert import export_draft
@@ -50,6 +52,7 @@ from dflash_jax.nn.moe import MoESpec
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig, leading_run
+from dflash_jax.sharding import TensorParallel, make_mesh
 from dflash_jax.tokenizer import Tokenizer, add_chat_arguments, chat_options, read_prompt_file, render_prompts
 from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
                                      claim_run_folders, global_norm, lies_within, make_optimizer, run_recipe,
@@ -204,11 +207,13 @@ def chunked_cross_entropy(logits_fn: Callable[[jax.Array], jax.Array], hidden: j
 
 def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, loss_mask: jax.Array,
                anchors: jax.Array, *, config: DraftConfig, target_config: ModelConfig, gamma: float,
-               dtype) -> tuple[jax.Array, dict]:
+               dtype, tensor_parallel: TensorParallel | None = None) -> tuple[jax.Array, dict]:
     """Decay-weighted block cross-entropy, per-position accuracy and the greedy acceptance proxy
-    (1 + leading correct block positions, averaged over used anchors: τ under teacher forcing)."""
+    (1 + leading correct block positions, averaged over used anchors: τ under teacher forcing).
+    ``tensor_parallel``: the frozen target is split over its mesh (its taps come whole to every
+    device; XLA partitions the draft's use of the split embedding and head)."""
     params, target = cast_params(params, dtype), cast_params(target, dtype)
-    _, taps = causal_forward(target, target_config, tokens, config.target_layer_ids)
+    _, taps = causal_forward(target, target_config, tokens, config.target_layer_ids, tensor_parallel)
     taps = jax.lax.stop_gradient(taps)
     blocks = data.make_blocks(tokens, loss_mask, anchors, config.block_size, config.mask_token_id)
     hidden = draft_block_hidden(params, config, target, taps, blocks, anchors)
@@ -229,10 +234,11 @@ def draft_loss(params: DraftParams, target: TargetParams, tokens: jax.Array, los
     return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "target_config", "train"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "target_config", "train", "tensor_parallel"),
+                   donate_argnames=("state",))
 def train_step(state: TrainState, learning_rate: jax.Array, target: TargetParams, tokens: jax.Array,
-               loss_mask: jax.Array, *,
-               config: DraftConfig, target_config: ModelConfig, train: DraftTrainConfig) -> tuple[TrainState, dict]:
+               loss_mask: jax.Array, *, config: DraftConfig, target_config: ModelConfig, train: DraftTrainConfig,
+               tensor_parallel: TensorParallel | None = None) -> tuple[TrainState, dict]:
     """One pure AdamW step (``state`` donated: params and moments are not held twice): anchors
     drawn from a key folded with the step, so a resumed run draws the same anchors as an
     uninterrupted one."""
@@ -241,7 +247,7 @@ def train_step(state: TrainState, learning_rate: jax.Array, target: TargetParams
     grads, metrics = jax.grad(draft_loss, has_aux=True)(
         state.params, target, tokens, loss_mask, anchors, config=config, target_config=target_config,
         gamma=data.default_gamma(config.block_size) if train.gamma is None else train.gamma,
-        dtype=jnp.dtype(train.compute_dtype))
+        dtype=jnp.dtype(train.compute_dtype), tensor_parallel=tensor_parallel)
     metrics["grad_norm"] = global_norm(grads)
     return apply_gradients(state, grads, make_optimizer(train.optim), learning_rate), metrics
 
@@ -296,8 +302,11 @@ def train_in_run(target: Target, rows: data.TokenRows, out_dir: str | Path, draf
     ``train_draft`` does)."""
     params = init_draft_params(draft_config, jax.random.key(train.seed + 1), jnp.float32)
     state = TrainState.create(params, make_optimizer(train.optim))
+    if target.tensor_parallel is not None:  # the draft trains whole on every device of the split target's mesh
+        state = jax.device_put(state, NamedSharding(target.tensor_parallel.mesh, P()))
     target_params = cast_params(target.params, jnp.dtype(train.compute_dtype))
-    step_fn = functools.partial(train_step, config=draft_config, target_config=target.config, train=train)
+    step_fn = functools.partial(train_step, config=draft_config, target_config=target.config, train=train,
+                                tensor_parallel=target.tensor_parallel)
     state, _ = run_training(
         state, lambda s, lr, t, m: step_fn(s, lr, target_params, t, m),
         lambda step: rows.batch(step, train.batch_size, train.seed), optim=train.optim, ckpt_dir=ckpt_dir,
@@ -500,6 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-mb", type=at_least(1), default=DEFAULT_MAX_SHARD_MB,
                         help="largest safetensors shard of the exported draft, MB")
     parser.add_argument("--dtype", default=defaults.compute_dtype, choices=["bfloat16", "float32"])
+    parser.add_argument("--tp", type=at_least(1), default=1,
+                        help="split the frozen target over this many devices (tensor parallelism); the draft "
+                             "trains whole on each")
     parser.add_argument("--ckpt-dir", default=None,
                         help="orbax checkpoints, run.json and train_log.json of one run (default OUT.ckpt)")
     parser.add_argument("--resume", action="store_true",
@@ -540,11 +552,13 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = data.load_tokenizer(args.target)
         eos_id = target_config.eos_token_ids[0] if target_config.eos_token_ids else None
         eval_prompts = _eval_prompts(args, tokenizer, eos_id) if args.eval_prompts else None
+        tensor_parallel = None if args.tp == 1 else TensorParallel(make_mesh(args.tp), replicate_draft=True)
         if args.eval_only:
-            target = load_target(args.target, dtype=args.dtype)
+            target = load_target(args.target, dtype=args.dtype, tensor_parallel=tensor_parallel)
             draft = load_draft(args.out, target, dtype=args.dtype)
         else:
-            target, draft_config, train, ckpt_dir, rows = _open_cli_run(args, target_config, tokenizer, eos_id)
+            target, draft_config, train, ckpt_dir, rows = _open_cli_run(args, target_config, tokenizer, eos_id,
+                                                                        tensor_parallel)
     if not args.eval_only:
         train_in_run(target, rows, args.out, draft_config, train, ckpt_dir, resume=args.resume,
                      max_shard_mb=args.max_shard_mb)
@@ -573,8 +587,9 @@ def _eval_prompts(args, tokenizer, eos_id: int | None) -> list[list[int]]:
     return sample_prompts(heldout, args.eval_prompts, args.prompt_len, seed=12345)
 
 
-def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | None
-                  ) -> tuple[Target, DraftConfig, DraftTrainConfig, Path, data.TokenRows]:
+def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | None,
+                  tensor_parallel: TensorParallel | None) -> tuple[Target, DraftConfig, DraftTrainConfig, Path,
+                                                                   data.TokenRows]:
     """The CLI's run, checked cheapest first: the draft's shape and the data files, then the run's
     folders (claimed), then the target's weights and the training rows (tokenized or generated
     by the target: the long part)."""
@@ -619,7 +634,7 @@ def _open_cli_run(args, target_config: ModelConfig, tokenizer, eos_id: int | Non
                              "keep it outside --out")
     ckpt_dir = open_draft_run(target_config, args.target, args.out, draft_config, train, data_record,
                               ckpt_dir=args.ckpt_dir, resume=args.resume, overwrite=args.overwrite)
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, tensor_parallel=tensor_parallel)
     rows = _training_rows(args, target, tokenizer, eos_id, token_files, texts, file_prompts, ckpt_dir, data_record)
     return target, draft_config, train, ckpt_dir, rows
 

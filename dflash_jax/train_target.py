@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from checkpoints_convert import export_target
@@ -46,6 +47,7 @@ from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, deferred_interrupts, e
                             random_seed, reported_as_errors)
 from dflash_jax.config import ModelConfig, uniform_config
 from dflash_jax.params import TargetParams, cast_params, init_target_params
+from dflash_jax.sharding import TensorParallel, local_config, specs, target_layout
 from pallas_kernels.tuning import is_power_of_2
 
 
@@ -368,10 +370,22 @@ class TinyTargetShape:
 
 
 def causal_forward(params: TargetParams, config: ModelConfig, tokens: jax.Array,
-                   tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
+                   tap_layers: tuple[int, ...] = (),
+                   tensor_parallel: TensorParallel | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Plain causal forward of full rows [R, T] from position 0 (training, feature extraction):
     ``target.forward`` over a throwaway cache of one page per row, reference attention (which is
-    differentiable). Returns final-normed hidden [R, T, H] and the concatenated taps."""
+    differentiable). Returns final-normed hidden [R, T, H] and the concatenated taps. With
+    ``tensor_parallel`` the params are split over its mesh (``dflash_jax.sharding``) and the
+    forward runs as one program per device; its outputs are whole on every device."""
+    if tensor_parallel is not None:
+        local = local_config(config, tensor_parallel.size, expert_parallel=tensor_parallel.expert_parallel)
+
+        def run(params, tokens):
+            return causal_forward(params, local, tokens, tap_layers)
+
+        layout = target_layout(params, config, tensor_parallel.expert_parallel)
+        return jax.shard_map(run, mesh=tensor_parallel.mesh, in_specs=(specs(layout), P()),
+                             out_specs=(P(), P() if tap_layers else None), check_vma=False)(params, tokens)
     rows, length = tokens.shape
     cache = init_cache(config, None, np.arange(rows, dtype=np.int32)[:, None], rows, length,
                        params.embed.dtype)

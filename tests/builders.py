@@ -432,6 +432,23 @@ def qwen3_fields(**overrides) -> dict:
     return {**fields, **overrides}
 
 
+def write_tokenizer(folder: Path) -> int:
+    """A real byte-level BPE tokenizer (eos ``<|endoftext|>``, no chat template) in ``folder``,
+    trained on a line of code; returns its vocabulary size (a target's may be larger, padded as
+    released vocabularies are)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 20, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return tokenizer.get_vocab_size()
+
+
 def target_folder(directory: Path, *, dtype: str = "float32", seed: int = 0, max_shard_size=None,
                   **config) -> torch.nn.Module:
     """Save a random transformers Qwen3ForCausalLM (plus stand-in tokenizer files) and return it."""

@@ -28,6 +28,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
 
+# tests/multi_device needs several devices: test_tensor_parallel.py runs it in a subprocess with 4
+# forced CPU devices, while this suite keeps one.
+collect_ignore = [] if jax.device_count() >= 4 else ["multi_device"]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():

@@ -116,14 +116,14 @@ def rotary_tables(positions: jax.Array, spec: AttentionSpec, dtype) -> tuple[jax
 
 
 def output(x: jax.Array, out: jax.Array, projected: jax.Array, params: AttentionParams, spec: AttentionSpec,
-           impl: str) -> jax.Array:
+           impl: str, tensor_axis: str | None = None) -> jax.Array:
     """x + o_proj(out [* sigmoid(gate)]) [+ o_bias] for the attention output out [B, T, Hq, D] of
     the layer's projection ``projected`` (the residual is added once, after the projection and
-    its bias)."""
+    its bias; with ``tensor_axis``, after the sum of the shards' partial products)."""
     out = out.reshape(*out.shape[:2], -1)
     if spec.output_gate:
         out = out * jax.nn.sigmoid(projected[..., spec.qkv_size:])
-    return ops.project(out, params.o_proj, bias=params.o_bias, residual=x, impl=impl)
+    return ops.project(out, params.o_proj, bias=params.o_bias, residual=x, sum_over=tensor_axis, impl=impl)
 
 
 def paged_causal(qkv: jax.Array, params: AttentionParams, spec: AttentionSpec, positions: jax.Array,

@@ -70,38 +70,42 @@ def with_norm_scales(params: LayerParams) -> LayerParams:
                           post_attention_norm=norm_scale(params.post_attention_norm))
 
 
-def feed_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, eps: float, impl: str) -> jax.Array:
+def feed_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, eps: float, impl: str,
+                 tensor_axis: str | None = None) -> jax.Array:
     """The post-attention half of a layer: x + ffn(post_attention_norm(x))."""
     if isinstance(spec.ffn, MLPSpec):
-        return mlp.forward(x, params.ffn, params.post_attention_norm, eps, impl)
-    return moe.forward(x, params.ffn, spec.ffn, params.post_attention_norm, eps, impl)
+        return mlp.forward(x, params.ffn, params.post_attention_norm, eps, impl, tensor_axis)
+    return moe.forward(x, params.ffn, spec.ffn, params.post_attention_norm, eps, impl, tensor_axis)
 
 
 def layer_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, index: int, positions: jax.Array,
-                  attend: Attend, state: Any, eps: float, impl: str) -> tuple[jax.Array, Any]:
-    """One layer on x [B, T, H] at ``positions`` [B, T]."""
+                  attend: Attend, state: Any, eps: float, impl: str,
+                  tensor_axis: str | None = None) -> tuple[jax.Array, Any]:
+    """One layer on x [B, T, H] at ``positions`` [B, T] (``tensor_axis``: the layer is one
+    shard's part, its row-parallel outputs summed over that mesh axis)."""
     mixer = spec.mixer
     if isinstance(mixer, AttentionSpec):
         projected = attention.project_qkv(x, params.attention, params.input_norm, eps, impl)
         out, state = attend(state, index, mixer, params.attention, projected, positions)
-        x = attention.output(x, out, projected, params.attention, mixer, impl)
+        x = attention.output(x, out, projected, params.attention, mixer, impl, tensor_axis)
     else:
         projected = gated_deltanet.project(x, params.attention, params.input_norm, eps, impl)
         out, state = attend(state, index, mixer, params.attention, projected, positions)
-        x = gated_deltanet.output(x, out, projected, params.attention, mixer, eps, impl)
-    return feed_forward(x, params, spec, eps, impl), state
+        x = gated_deltanet.output(x, out, projected, params.attention, mixer, eps, impl, tensor_axis)
+    return feed_forward(x, params, spec, eps, impl, tensor_axis), state
 
 
 def run(layers: Sequence[LayerParams], specs: Sequence[LayerSpec], x: jax.Array, positions: jax.Array,
         attend: Attend, state: Any, *, eps: float, impl: str, tap_layers: tuple[int, ...] = (),
-        zero_centred_norms: bool = False) -> tuple[jax.Array, dict[int, jax.Array], Any]:
+        zero_centred_norms: bool = False,
+        tensor_axis: str | None = None) -> tuple[jax.Array, dict[int, jax.Array], Any]:
     """Every layer in turn. Returns the last layer's output (not final-normed), the outputs of
     ``tap_layers`` by index, and the threaded state."""
     taps = {}
     for index, (params, spec) in enumerate(zip(layers, specs, strict=True)):
         if zero_centred_norms:
             params = with_norm_scales(params)
-        x, state = layer_forward(x, params, spec, index, positions, attend, state, eps, impl)
+        x, state = layer_forward(x, params, spec, index, positions, attend, state, eps, impl, tensor_axis)
         if index in tap_layers:
             taps[index] = x
     return x, taps, state

@@ -163,15 +163,17 @@ def mix(projected: jax.Array, params: GatedDeltaNetParams, spec: GatedDeltaNetSp
 
 
 def output(x: jax.Array, out: jax.Array, projected: jax.Array, params: GatedDeltaNetParams,
-           spec: GatedDeltaNetSpec, eps: float, impl: str) -> jax.Array:
+           spec: GatedDeltaNetSpec, eps: float, impl: str, tensor_axis: str | None = None) -> jax.Array:
     """x + out_proj(rms_norm(o) * w * silu(z)) for the rule's output o [B, T, Hv, dv], rounded
-    as transformers' Qwen3_5RMSNormGated (norm in f32, weight in the input dtype, gate in f32)."""
+    as transformers' Qwen3_5RMSNormGated (norm in f32, weight in the input dtype, gate in f32);
+    with ``tensor_axis``, the shards' partial products summed before the residual."""
     _, z, _, _ = _split(projected, spec)
     o = out.astype(jnp.float32)
     normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)).astype(out.dtype) * params.norm
     gate = jax.nn.silu(z.reshape(out.shape).astype(jnp.float32))
     gated = (normed.astype(jnp.float32) * gate).astype(out.dtype)
-    return ops.project(gated.reshape(*gated.shape[:2], -1), params.out_proj, residual=x, impl=impl)
+    return ops.project(gated.reshape(*gated.shape[:2], -1), params.out_proj, residual=x, sum_over=tensor_axis,
+                       impl=impl)
 
 
 def advance(pending: PendingBlock, conv_state: jax.Array, recurrent_state: jax.Array, counts: jax.Array,

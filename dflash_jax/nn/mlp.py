@@ -45,14 +45,17 @@ def init_mlp(spec: MLPSpec, hidden: int, key: jax.Array, dtype, scale: float = 0
                      down_bias=jnp.zeros((hidden,), dtype) if spec.bias else None)
 
 
-def forward(x: jax.Array, params: MLPParams, norm_weight: jax.Array, eps: float, impl: str) -> jax.Array:
-    """x + down(silu(gate) * up) of rms_norm(x): the post-attention half of a layer, x [B, T, H]."""
+def forward(x: jax.Array, params: MLPParams, norm_weight: jax.Array, eps: float, impl: str,
+            tensor_axis: str | None = None) -> jax.Array:
+    """x + down(silu(gate) * up) of rms_norm(x): the post-attention half of a layer, x [B, T, H]
+    (with ``tensor_axis``, the shards' partial products summed before the residual)."""
     h = ops.project(x, params.gate_up_proj, bias=params.gate_up_bias, norm_weight=norm_weight, eps=eps,
                     gated=True, impl=impl)
-    return ops.project(h, params.down_proj, bias=params.down_bias, residual=x, impl=impl)
+    return ops.project(h, params.down_proj, bias=params.down_bias, residual=x, sum_over=tensor_axis, impl=impl)
 
 
 def swiglu(h: jax.Array, params: MLPParams, impl: str) -> jax.Array:
-    """down(silu(gate) * up) of an already normed h [..., H], no residual (a MoE's shared expert)."""
+    """down(silu(gate) * up) of an already normed h [..., H], no residual (a MoE's shared expert;
+    under tensor parallelism a partial sum, which the MoE block sums with the experts')."""
     g = ops.project(h, params.gate_up_proj, bias=params.gate_up_bias, gated=True, impl=impl)
     return ops.project(g, params.down_proj, bias=params.down_bias, impl=impl)

@@ -1,0 +1,431 @@
+"""Tensor parallelism on 4 CPU devices (tests/test_tensor_parallel.py runs this folder in a
+subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4; the main suite has one).
+
+Every family split over 2 and 4 devices gives the tokens of one device (f32) and its logits
+within rounding, and its params, gathered back, equal the single-device load bit for bit;
+a converted folder loads into any degree; DFlash keeps its tokens and acceptance lengths with
+the draft split or replicated, on a hybrid too; sampling draws the samples of one device for the
+same seed; the Pallas kernels run per shard (interpret mode); the CLI's --tp; and degrees that
+cannot split are refused, naming the field, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from builders import (hybrid_config, make_copy_draft, make_copy_target, make_target, make_zlab_draft,
+                      qwen3_moe_config, save_draft, save_speculators_draft, save_target, write_tokenizer)
+from dflash_jax import generate as generate_cli
+from dflash_jax import target as target_model
+from dflash_jax.cache import allocate_pages, init_cache
+from dflash_jax.generate import generate
+from dflash_jax.models import Draft, Target, load_draft, load_target
+from dflash_jax.nn.tensor_parallel import gather_vocab
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.sharding import (TensorParallel, is_layout, local_config, make_mesh, specs, target_layout,
+                                 unsharded)
+
+if jax.device_count() < 4:   # run on its own (the main suite's conftest does not collect this folder)
+    pytest.skip("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4, as "
+                "tests/test_tensor_parallel.py runs it", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_NEW = 12
+PAGE = 16
+# f32 logits of one device vs a split forward (the row-parallel sums add in another order: a few
+# ulps of logits up to ~50)
+LOGITS_TOLERANCE = dict(rtol=5e-6, atol=2e-5)
+
+
+def _prompts(vocab: int, lens=(5, 9, 14), seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab - 1, n).tolist() for n in lens]
+
+
+def _split(tp: int, replicate_draft: bool = False) -> TensorParallel:
+    return TensorParallel(make_mesh(tp), replicate_draft=replicate_draft)
+
+
+def prompt_logits(target: Target, prompts: list[list[int]]) -> np.ndarray:
+    """Logits [B, T, V] of one forward over the right-padded prompts from an empty cache: on one
+    device, or on a split target as one shard_map program (each device its slices and local
+    config, the vocabulary gathered at the end)."""
+    padded = max(map(len, prompts))
+    tokens = np.zeros((len(prompts), padded), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    table, num_pages = allocate_pages([padded] * len(prompts), PAGE)
+
+    def run(params, tokens, *, config):
+        cache = init_cache(config, None, table, num_pages, PAGE, jnp.float32)
+        hidden, _, _ = target_model.forward(params, config, tokens, jnp.zeros(len(prompts), jnp.int32), cache,
+                                            impl="reference")
+        return gather_vocab(target_model.logits(params, hidden), config.tensor_axis)
+
+    split = target.tensor_parallel
+    if split is None:
+        program = functools.partial(run, config=target.config)
+    else:
+        local = local_config(target.config, split.size, expert_parallel=split.expert_parallel)
+        program = jax.shard_map(functools.partial(run, config=local), mesh=split.mesh, out_specs=P(), check_vma=False,
+                                in_specs=(specs(target_layout(target.params, target.config, split.expert_parallel)),
+                                          P()))
+    return np.asarray(jax.jit(program)(target.params, jnp.asarray(tokens)))
+
+
+def assert_each_device_holds_its_slices(params, layout, tp: int):
+    """Every param split by its layout is on each device as one tp-th along the split axis (a
+    replicated one whole): no device holds the whole model."""
+    for x, leaf in zip(jax.tree.leaves(params), jax.tree.leaves(layout, is_leaf=is_layout), strict=True):
+        shape = list(x.shape)
+        if leaf.axis is not None:
+            shape[leaf.axis] //= tp
+        assert {shard.data.shape for shard in x.addressable_shards} == {tuple(shape)}, (leaf, x.shape)
+
+
+def assert_same_params(actual, expected):
+    """Same tree, every leaf the same shape and bits."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        assert x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every family at TP 2 and 4 vs one device
+
+# Sizes every degree up to 4 divides: 4 KV heads (and 4 linear key heads), widths and vocabulary
+# multiples of 4. LLaMA is tied (the head is the embedding, split by rows) and biased (o_proj's
+# and down_proj's biases added once, after the sums).
+ATTENTION = dict(vocab=128, hidden=64, heads=8, kv_heads=4, head_dim=16, rope_theta=1e4)
+HYBRID = dict(ATTENTION, layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
+              linear_heads=(4, 8), linear_dims=(16, 16))
+FAMILIES = {
+    "qwen3": dict(ATTENTION, layers=2),
+    "llama": dict(ATTENTION, family="llama", layers=2, tie=True, bias=True),
+    # layer 0 dense, layer 1 routed (4 experts of width 16, top 2)
+    "qwen3_moe": dict(ATTENTION, family="qwen3_moe", layers=2, experts=4, top_k=2, expert_width=16,
+                      mlp_only_layers=(0,)),
+    "qwen3_5": dict(HYBRID, family="qwen3_5"),
+    # routed experts beside a gated shared expert of width 16 on every layer
+    "qwen3_5_moe": dict(HYBRID, family="qwen3_5_moe", experts=4, top_k=2, expert_width=16, shared_width=16),
+}
+
+
+@dataclass
+class FamilyCase:
+    name: str
+    path: Path                 # the saved HF folder
+    single: Target             # loaded on one device
+    prompts: list[list[int]]
+    tokens: list[list[int]]    # greedy on one device
+    logits: np.ndarray         # prompt_logits on one device
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_case(request, tmp_path_factory) -> FamilyCase:
+    hf = make_target(seed=3, std=0.1, **FAMILIES[request.param])
+    path = save_target(hf, tmp_path_factory.mktemp(request.param))
+    single = load_target(path, "float32")
+    prompts = _prompts(single.config.vocab_size)
+    tokens = generate(single, prompts, max_new_tokens=MAX_NEW, impl="reference").tokens
+    return FamilyCase(request.param, path, single, prompts, tokens, prompt_logits(single, prompts))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_family_split_gives_the_tokens_and_logits_of_one_device(family_case, tp):
+    case = family_case
+    target = load_target(case.path, "float32", tensor_parallel=_split(tp))
+    layout = target_layout(target.params, target.config)
+    assert_each_device_holds_its_slices(target.params, layout, tp)
+    first = target.tensor_parallel.mesh.devices.flat[0]
+    held = sum(shard.data.nbytes for x in jax.tree.leaves(target.params) for shard in x.addressable_shards
+               if shard.device == first)
+    total = sum(x.nbytes for x in jax.tree.leaves(case.single.params))
+    assert held < 1.05 * total / tp   # about a tp-th: only norms, routers and gates are whole on every device
+    # gathered back and un-reordered, the loaded slices are the single-device params exactly
+    assert_same_params(unsharded(target.params, layout, target.tensor_parallel), case.single.params)
+    logits = prompt_logits(target, case.prompts)
+    np.testing.assert_allclose(logits, case.logits, **LOGITS_TOLERANCE)
+    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+
+
+@pytest.mark.parametrize("family_case", ["qwen3_moe", "qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_moe_experts_dealt_out_whole_give_the_tokens_and_logits_of_one_device(family_case, tp):
+    """Expert parallelism: each device holds 4 / tp whole experts (the shared expert split by
+    width), runs the pairs routed to them, and the sums meet as with width-split experts."""
+    case = family_case
+    split = TensorParallel(make_mesh(tp), expert_parallel=True)
+    target = load_target(case.path, "float32", tensor_parallel=split)
+    layout = target_layout(target.params, target.config, expert_parallel=True)
+    assert_each_device_holds_its_slices(target.params, layout, tp)
+    routed = next(layer.ffn for layer in target.params.layers if getattr(layer.ffn, "router", None) is not None)
+    assert {shard.data.shape[0] for shard in routed.gate_up_proj.addressable_shards} == {4 // tp}
+    assert_same_params(unsharded(target.params, layout, split), case.single.params)
+    np.testing.assert_allclose(prompt_logits(target, case.prompts), case.logits, **LOGITS_TOLERANCE)
+    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_converted_folder_loads_into_any_degree(family_case, tp, tmp_path):
+    """A converted folder holds the single-device layout; each degree reorders it as it loads."""
+    from checkpoints_convert import convert
+
+    converted = convert(family_case.path, tmp_path / "converted", dtype="float32", progress=False)
+    target = load_target(converted, "float32", tensor_parallel=_split(tp))
+    layout = target_layout(target.params, target.config)
+    assert_each_device_holds_its_slices(target.params, layout, tp)
+    assert_same_params(unsharded(target.params, layout, target.tensor_parallel), family_case.single.params)
+    assert generate(target, family_case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == family_case.tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# DFlash (the copying pairs of builders: varied acceptance lengths) at TP 2
+
+DFLASH_NEW = 32
+DFLASH_PROMPT_LENS = (7, 9, 11, 14)   # the copy construction needs >= 6
+
+
+@dataclass
+class DFlashCase:
+    target_dir: Path
+    draft_dir: Path
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    accept_lengths: list[list[int]]
+
+
+def _dflash_case(target_dir: Path, draft_dir: Path) -> DFlashCase:
+    target = load_target(target_dir, "float32")
+    prompts = _prompts(target.config.vocab_size, DFLASH_PROMPT_LENS)
+    out = generate(target, prompts, draft=load_draft(draft_dir, target), max_new_tokens=DFLASH_NEW,
+                   impl="reference")
+    lengths = {n for row in out.stats.accept_lengths for n in row[:-1]}
+    assert len(lengths) >= 4, f"the pair's acceptance lengths barely vary: {sorted(lengths)}"
+    return DFlashCase(target_dir, draft_dir, prompts, out.tokens, out.stats.accept_lengths)
+
+
+@pytest.fixture(scope="module")
+def copy_pair(spec_pair) -> DFlashCase:
+    """conftest's spec_pair (Qwen3 copy target, 4/2 heads; its copying draft) on one device."""
+    return _dflash_case(spec_pair.target_dir, spec_pair.draft_dir)
+
+
+@pytest.fixture(scope="module")
+def hybrid_copy_pair(tmp_path_factory) -> DFlashCase:
+    """The copy pair on a Qwen3.5-MoE hybrid (Gated DeltaNet with 2/4 heads, whose output moves
+    the tokens: a wrong rollback of a split state changes them; expert widths 32 that split into
+    the projection kernel's multiples of 16)."""
+    hf_target = make_copy_target(family="qwen3_5_moe", linear_noise=0.3, experts=4, top_k=2, shared_width=32)
+    root = tmp_path_factory.mktemp("hybrid_copy_pair")
+    return _dflash_case(save_target(hf_target, root / "target"), save_draft(make_copy_draft(hf_target), root / "draft"))
+
+
+def _load_split(case: DFlashCase, split: TensorParallel) -> tuple[Target, Draft]:
+    target = load_target(case.target_dir, "float32", tensor_parallel=split)
+    return target, load_draft(case.draft_dir, target)
+
+
+@pytest.mark.parametrize("replicate_draft", [False, True], ids=["draft-split", "draft-replicated"])
+def test_dflash_split_keeps_tokens_and_acceptance_lengths(copy_pair, replicate_draft):
+    target, draft = _load_split(copy_pair, _split(2, replicate_draft))
+    out = generate(target, copy_pair.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
+    assert out.tokens == copy_pair.tokens
+    assert out.stats.accept_lengths == copy_pair.accept_lengths
+
+
+def test_dflash_on_a_split_hybrid_keeps_tokens_and_acceptance_lengths(hybrid_copy_pair):
+    target, draft = _load_split(hybrid_copy_pair, _split(2))
+    out = generate(target, hybrid_copy_pair.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
+    assert out.tokens == hybrid_copy_pair.tokens
+    assert out.stats.accept_lengths == hybrid_copy_pair.accept_lengths
+
+
+def test_dflash_split_with_a_reduced_vocabulary_draft_head(copy_pair, spec_pair, tmp_path):
+    """A speculators draft with its own head over 80 of the 128 ids (replicated, the proposals
+    mapped to target ids, each device keeping its vocabulary columns) keeps one device's tokens
+    and acceptance lengths."""
+    selected = sorted(np.random.default_rng(5).choice(127, 80, replace=False).tolist())
+    path = save_speculators_draft(spec_pair.hf_draft, spec_pair.hf_target, tmp_path, selected_ids=selected)
+    single = generate(spec_pair.target, copy_pair.prompts, draft=load_draft(path, spec_pair.target),
+                      max_new_tokens=DFLASH_NEW, impl="reference")
+    target = load_target(copy_pair.target_dir, "float32", tensor_parallel=_split(2))
+    draft = load_draft(path, target)
+    assert draft.config.draft_vocab_size == len(selected)
+    out = generate(target, copy_pair.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
+    assert out.tokens == single.tokens == copy_pair.tokens   # lossless
+    assert out.stats.accept_lengths == single.stats.accept_lengths
+
+
+@pytest.mark.parametrize("pair", ["copy_pair", "hybrid_copy_pair"])
+def test_pallas_kernels_run_per_shard(request, pair):
+    """impl="interpret": every kernel (projections, norm+RoPE page writes, paged and draft
+    attention, routed experts and the gated delta rule on the hybrid) inside the shard_map
+    program, on each device's heads and widths."""
+    case = request.getfixturevalue(pair)
+    target, draft = _load_split(case, _split(2))
+    out = generate(target, case.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="interpret")
+    assert out.tokens == case.tokens
+    assert out.stats.accept_lengths == case.accept_lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the same samples as one device for the same seed
+
+SAMPLING_ROWS = 64
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
+                                      SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["t1", "t0.8-top_k-top_p"])
+def test_sampling_split_draws_the_samples_of_one_device(copy_pair, spec_pair, sampling):
+    """Speculative sampling (draft proposals, accepts, residual draws, bonus tokens) at TP 2
+    draws, row for row, the tokens one device draws with the same seed: the same distribution,
+    which test_sampling.py checks exact on one device. (A different float rounding could flip a
+    draw at a boundary: nearly all rows, not all, are required.)"""
+    prompts = _prompts(128, DFLASH_PROMPT_LENS * (SAMPLING_ROWS // len(DFLASH_PROMPT_LENS)), seed=4)
+    kwargs = dict(max_new_tokens=16, sampling=sampling, seed=7, impl="reference")
+    single = generate(spec_pair.target, prompts, draft=spec_pair.draft, **kwargs)
+    target, draft = _load_split(copy_pair, _split(2))
+    split = generate(target, prompts, draft=draft, **kwargs)
+    same = np.mean([a == b for a, b in zip(split.tokens, single.tokens)])
+    assert same >= 0.95, f"only {same:.0%} of the rows drew the same tokens"
+    # not a distribution that leaves little to draw: another seed draws other tokens
+    reseeded = generate(target, prompts, draft=draft, **{**kwargs, "seed": 8})
+    assert np.mean([a == b for a, b in zip(reseeded.tokens, single.tokens)]) < 0.2
+    lengths = {n for row in split.stats.accept_lengths for n in row[:-1]}
+    assert 1 in lengths and max(lengths) >= 3, f"accepts and rejections both exercised: {sorted(lengths)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, and degrees that cannot split
+
+CLI_VOCAB = 292   # 4 x 73: splits over 2 and 4, not 3 (a padded vocabulary beyond the tokenizer's)
+
+
+@dataclass
+class CliModels:
+    target_dir: Path           # HF target (4/2 heads) with a real tokenizer
+    draft_dir: Path            # its z-lab draft (4/2 heads)
+    one_kv_head_dir: Path      # a draft of 2/1 heads: cannot split over 2
+    prompts: list[list[int]]
+    tokens: list[list[int]]    # DFlash greedy on one device with the draft of 2/1 heads
+
+
+@pytest.fixture(scope="module")
+def cli_models(tmp_path_factory) -> CliModels:
+    root = tmp_path_factory.mktemp("cli")
+    target_dir = root / "target"
+    target_dir.mkdir()
+    assert write_tokenizer(target_dir) <= CLI_VOCAB
+    hf = make_target(seed=5, std=0.1, vocab=CLI_VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8,
+                     rope_theta=1e4)
+    save_target(hf, target_dir)
+    draft = dict(layers=1, block_size=4, target_layer_ids=(0, 1), head_dim=8, std=0.1)
+    draft_dir = save_draft(make_zlab_draft(hf, heads=4, kv_heads=2, **draft), root / "draft")
+    one_kv_head_dir = save_draft(make_zlab_draft(hf, heads=2, kv_heads=1, seed=101, **draft), root / "one_kv_head")
+    target = load_target(target_dir, "float32")
+    prompts = _prompts(CLI_VOCAB, seed=2)
+    tokens = generate(target, prompts, draft=load_draft(one_kv_head_dir, target), max_new_tokens=MAX_NEW,
+                      impl="reference").tokens
+    return CliModels(target_dir, draft_dir, one_kv_head_dir, prompts, tokens)
+
+
+def _cli(*args, devices: int):
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
+    return subprocess.run([sys.executable, "-m", "dflash_jax.generate", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_tp_2_on_two_cpu_devices_prints_what_tp_1_prints(cli_models, tmp_path):
+    """What a user tries on a laptop: the same text and acceptance as one device."""
+    runs = {}
+    for tp in (1, 2):
+        stats = tmp_path / f"tp{tp}.json"
+        run = _cli("--target", cli_models.target_dir, "--draft", cli_models.draft_dir, "--prompt", "def fib",
+                   "--max-new-tokens", MAX_NEW, "--dtype", "float32", "--impl", "reference", "--tp", tp,
+                   "--stats-json", stats, devices=2)
+        assert run.returncode == 0, run.stderr
+        assert (" on 2 x cpu" in run.stderr) == (tp == 2), run.stderr   # the header names the split
+        runs[tp] = run.stdout, json.loads(stats.read_text())["dflash"]
+    assert runs[2][0] == runs[1][0] and runs[1][0].startswith("def fib")
+    for field in ("new_tokens", "steps", "histogram", "finish_reasons"):
+        assert runs[2][1][field] == runs[1][1][field], field
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "3"], "the target cannot be split over tp 3: vocab_size 292 is not divisible by 3; "
+                    "num_key_value_heads 2 is not divisible by 3"),
+    (["--tp", "8"], "tp 8 needs 8 devices; 4 cpu device(s) are visible"),
+    (["--replicate-draft"], "--replicate-draft needs --tp > 1 and a draft"),
+    (["--expert-parallel"], "--expert-parallel needs --tp > 1"),
+    (["--tp", "2", "--draft", "{one_kv_head}"], "the draft cannot be split over tp 2: "
+                                                "num_key_value_heads 1 is not divisible by 2"),
+])
+def test_cli_refuses_a_degree_that_cannot_split_before_reading_weights(cli_models, tmp_path, capsys, flags,
+                                                                       message):
+    """The target folder holds no weights: an error naming the field, not a missing file, shows
+    that nothing was read first."""
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(cli_models.target_dir / name, weightless / name)
+    flags = [flag.format(one_kv_head=cli_models.one_kv_head_dir) for flag in flags]
+    assert generate_cli.main(["--target", str(weightless), "--draft", str(cli_models.draft_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
+
+
+def test_a_draft_that_cannot_split_is_refused_and_runs_replicated(cli_models):
+    target = load_target(cli_models.target_dir, "float32", tensor_parallel=_split(2))
+    with pytest.raises(ValueError, match="the draft cannot be split over tp 2: num_key_value_heads 1 is not"):
+        load_draft(cli_models.one_kv_head_dir, target)
+    target = load_target(cli_models.target_dir, "float32", tensor_parallel=_split(2, replicate_draft=True))
+    draft = load_draft(cli_models.one_kv_head_dir, target)
+    out = generate(target, cli_models.prompts, draft=draft, max_new_tokens=MAX_NEW, impl="reference")
+    assert out.tokens == cli_models.tokens
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("qwen3_moe", ["vocab_size 128", "num_key_value_heads 4", "intermediate_size 128", "moe_intermediate_size 16"]),
+    ("qwen3_5_moe", ["vocab_size 128", "num_key_value_heads 4", "linear_num_key_heads 4", "moe_intermediate_size 16",
+                     "shared_expert_intermediate_size 16"]),
+])
+def test_load_target_refuses_every_field_that_cannot_split_before_reading_weights(family, fields, tmp_path):
+    """A folder of config.json alone: the refusal comes before any weight is looked for."""
+    arch = dict(FAMILIES[family])
+    arch.pop("family")
+    config = qwen3_moe_config(**arch) if family == "qwen3_moe" else hybrid_config(family, **arch)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        load_target(tmp_path, "float32", tensor_parallel=_split(3))
+    assert str(refused.value).startswith("the target cannot be split over tp 3: ")
+    for field in fields:
+        assert f"{field} is not divisible by 3" in str(refused.value)
+
+
+def test_expert_parallelism_is_refused_where_the_experts_do_not_divide(tmp_path):
+    """Experts dealt out whole need num_experts divisible by the degree (4 experts over 3: named),
+    and split no width of theirs (moe_intermediate_size not named)."""
+    arch = dict(FAMILIES["qwen3_moe"])
+    arch.pop("family")
+    qwen3_moe_config(**arch).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        load_target(tmp_path, "float32", tensor_parallel=TensorParallel(make_mesh(3), expert_parallel=True))
+    assert "num_experts 4 is not divisible by 3" in str(refused.value)
+    assert "moe_intermediate_size" not in str(refused.value)
+
