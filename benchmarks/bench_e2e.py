@@ -212,7 +212,7 @@ def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None,
     then time one chunk (under the JAX profiler, writing a Perfetto trace into ``trace_dir``,
     when given)."""
     state = jax.block_until_ready(prep.prefill(seed))
-    replay = replay_alpha_array(alpha)
+    replay = replay_alpha_array(alpha, prep.config.tensor_parallel)
     traced = contextlib.nullcontext() if trace_dir is None else jax.profiler.trace(
         str(trace_dir), create_perfetto_trace=True)
     with traced:

@@ -148,7 +148,7 @@ def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array,
         return _on_mesh(body, config, (target, draft, *inputs, cache, key, sampling),
                         (*_param_specs(target, draft, config), *(P(),) * len(inputs),
                          cache_specs(cache, config.tensor_parallel),
-                         P(), _replicated(sampling)),
+                         P(), _replicated_specs(sampling)),
                         _state_specs(sampling, cache_specs(cache, config.tensor_parallel)))
     return _prefill(target, draft, prompts, prompt_lens, max_new_tokens, stop_tokens, cache, key, sampling,
                     config=config, buffer_len=buffer_len, max_steps=max_steps)
@@ -340,7 +340,7 @@ def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: Decode
 # ----------------------------------------------------------------------------- tensor parallelism
 
 
-def _replicated(tree):
+def _replicated_specs(tree):
     return jax.tree.map(lambda _: P(), tree)
 
 
@@ -359,7 +359,7 @@ def state_specs(state: DecodeState, tensor_parallel: TensorParallel) -> DecodeSt
 def _state_specs(sampling: SamplingConfig, cache) -> DecodeState:
     rep = P()
     return DecodeState(tokens=rep, num_generated=rep, last_token=rep, done=rep, max_new_tokens=rep, stop_tokens=rep,
-                       sampling=_replicated(sampling), cache=cache, steps=rep, accept_lengths=rep, key=rep,
+                       sampling=_replicated_specs(sampling), cache=cache, steps=rep, accept_lengths=rep, key=rep,
                        iteration=rep)
 
 

@@ -180,12 +180,16 @@ def _bucket(n: int, per_doubling: int = 8) -> int:
     return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
 
 
-def replay_alpha_array(replay_alpha: float | jax.Array | None) -> jax.Array | None:
-    """A replay acceptance probability as the float32 device scalar a decode chunk takes, so a
-    timed chunk copies nothing to the device (an array already is one, and is passed as is)."""
-    if replay_alpha is None or isinstance(replay_alpha, jax.Array):
-        return replay_alpha
-    return jax.device_put(np.float32(replay_alpha))
+def replay_alpha_array(replay_alpha: float | jax.Array | None,
+                       tensor_parallel: TensorParallel | None = None) -> jax.Array | None:
+    """A replay acceptance probability as the float32 device scalar a decode chunk takes (on
+    every device of ``tensor_parallel``'s mesh), so a timed chunk copies nothing to the device
+    (an array already placed so is passed as is)."""
+    if replay_alpha is None:
+        return None
+    if not isinstance(replay_alpha, jax.Array):
+        replay_alpha = jax.device_put(np.float32(replay_alpha))
+    return _replicated(replay_alpha, tensor_parallel)
 
 
 def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
@@ -272,7 +276,7 @@ class PreparedGeneration:
         """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated); a
         ``replay_alpha`` from ``replay_alpha_array`` is passed without a host-to-device copy."""
         return self.chunk_fn(self.target.params, self._draft_params, state,
-                             _replicated(replay_alpha_array(replay_alpha), self.config.tensor_parallel))
+                             replay_alpha_array(replay_alpha, self.config.tensor_parallel))
 
     @property
     def _draft_params(self):
@@ -287,7 +291,7 @@ class PreparedGeneration:
             raise ValueError("replay_alpha must be given exactly when the batch was prepared with accept_replay")
         if replay_alpha is not None and not 0 <= replay_alpha <= 1:
             raise ValueError(f"replay_alpha (an acceptance probability) must be in [0, 1], got {replay_alpha}")
-        alpha = _replicated(replay_alpha_array(replay_alpha), self.config.tensor_parallel)
+        alpha = replay_alpha_array(replay_alpha, self.config.tensor_parallel)
         batch = self.inputs[0].shape[0]
         if jax.process_count() > 1:  # the others may still be compiling: time the prefill, not the wait
             multihost_utils.sync_global_devices("dflash_jax prefill")
@@ -427,7 +431,7 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     prepared = PreparedGeneration(config, target, draft, inputs, _replicated(sampling.as_arrays(), tensor_parallel),
                                   page_table, num_pages, page_size, max_steps, num_steps, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
-    check_cache_fits(cache_shape, 1 if tensor_parallel is None else tensor_parallel.size)
+    check_cache_fits(cache_shape, tensor_parallel)
     if tensor_parallel is not None:
         cache_shape = _abstract_on_mesh(cache_shape, cache_specs(cache_shape, tensor_parallel), tensor_parallel)
     args = (target.params, prepared._draft_params, *inputs, cache_shape,
@@ -490,15 +494,19 @@ def _read_prompts(args) -> list[str | list[dict]]:
     return read_prompt_file(args.batch_file, "--batch-file")
 
 
-def check_cache_fits(cache: PagedKVCache, shards: int = 1) -> None:
-    """ValueError when the paged KV cache (its shapes: target and draft layers; split over
-    ``shards`` devices) would not fit in the device memory left beside what is already there (the
-    weights), as far as the device reports it (GPUs do; CPUs report nothing)."""
+def check_cache_fits(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> None:
+    """ValueError when the paged KV cache (its shapes: target and draft layers; split over the
+    mesh of ``tensor_parallel``, its split pools a share per device) would not fit in the device
+    memory left beside what is already there (the weights), as far as the device reports it (GPUs
+    do; CPUs report nothing)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     if not stats.get("bytes_limit"):
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    needed = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)) // shards
+    shares = [1] * len(jax.tree.leaves(cache)) if tensor_parallel is None else [
+        tensor_parallel.size if spec != P() else 1
+        for spec in jax.tree.leaves(cache_specs(cache, tensor_parallel), is_leaf=lambda x: isinstance(x, P))]
+    needed = sum(x.size * x.dtype.itemsize // share for x, share in zip(jax.tree.leaves(cache), shares, strict=True))
     if needed > free:
         raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
                          "slots: each sequence's prompt + max_new_tokens + a block) and the device has "

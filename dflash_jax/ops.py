@@ -116,16 +116,18 @@ def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pag
 def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residual=None, sum_over=None, impl):
     """A projection with its glue: [rms_norm(x)] @ w [+ bias] [-> silu(gate) * up] [+ residual].
     The kernel has no bias: with one, it computes the product and the glue runs after it.
-    ``sum_over``: a mesh axis over which w is split by rows (tensor parallelism): the partial
-    products are summed (in f32) over it, then the bias and residual are added once."""
+    ``sum_over``: a mesh axis over which w is split by rows (tensor parallelism): each shard's
+    partial product (rounded to x's dtype, as a product is on one device) is summed in f32 over
+    it, then the bias and residual are added once."""
     impl = resolve_impl(impl, "fused_matmul")
     if sum_over is not None:
-        if gated:
-            raise ValueError("a gated projection is column-parallel: it has nothing to sum over shards")
+        if gated or norm_weight is not None:
+            raise ValueError("a row-parallel projection reads a slice of each row: it cannot norm its input or gate "
+                             "its output (those belong to column-parallel projections)")
         if impl == "reference":
-            y = pk.fused_matmul_reference(x, w, norm_weight=norm_weight, eps=eps)
+            y = pk.fused_matmul_reference(x, w)
         else:
-            y = pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
+            y = pk.fused_matmul(x, w, **_kernel_kwargs(impl))
         y = sum_partials(y.astype("float32"), sum_over)
         if bias is not None:
             y = y + bias.astype(y.dtype)

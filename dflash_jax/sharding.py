@@ -22,6 +22,7 @@ a checkpoint's single-device layout as it streams (so one checkpoint loads into 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -60,9 +61,12 @@ class TensorParallel:
         return self.mesh.shape[TP_AXIS]
 
 
-def make_mesh(tp: int, devices=None) -> Mesh:
-    """A 1-D mesh over the first ``tp`` devices (of every process: several hosts join one mesh)."""
-    devices = jax.devices() if devices is None else list(devices)
+def make_mesh(tp: int) -> Mesh:
+    """A 1-D mesh over the first ``tp`` devices (of every process: several hosts join one mesh).
+    NCCL's NVLink multicast (NVLS) stays off unless the environment turns it on: on shared hosts
+    it can take the GPUs out of service (NCCL reads this when its first collective starts)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    devices = jax.devices()
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
     if tp > len(devices):
@@ -132,13 +136,6 @@ def local_draft_config(config: DraftConfig, tensor_parallel: TensorParallel) -> 
     if tensor_parallel.replicate_draft:
         return config
     return dataclasses.replace(config, model=local_config(config.model, tensor_parallel.size, "the draft"))
-
-
-def check_split(target: ModelConfig, draft: DraftConfig | None, tensor_parallel: TensorParallel) -> None:
-    """ValueError when the target (or the draft, unless replicated) cannot be split this way."""
-    local_config(target, tensor_parallel.size, expert_parallel=tensor_parallel.expert_parallel)
-    if draft is not None:
-        local_draft_config(draft, tensor_parallel)
 
 
 # ----------------------------------------------------------------------------- params layout
@@ -271,7 +268,8 @@ def placed(params, layout, tensor_parallel: TensorParallel):
 
 
 def unsharded(params, layout, tensor_parallel: TensorParallel):
-    """Params placed by ``placed``, back in the single-device layout (host numpy arrays)."""
+    """Params placed by ``placed``, back in the single-device layout (host numpy arrays): to
+    compare them with, or save them as, a model of one device."""
     gather = multihost_utils.process_allgather if jax.process_count() > 1 else np.asarray
     return jax.tree.map(lambda x, leaf: None if x is None else _reordered(np.asarray(gather(x)), leaf,
                                                                            tensor_parallel.size, inverse=True),

@@ -52,7 +52,7 @@ from dflash_jax.nn.moe import MoESpec
 from dflash_jax.models import Draft, Target, load_draft, load_target
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig, leading_run
-from dflash_jax.sharding import TensorParallel, make_mesh
+from dflash_jax.sharding import TensorParallel, local_config, make_mesh
 from dflash_jax.tokenizer import Tokenizer, add_chat_arguments, chat_options, read_prompt_file, render_prompts
 from dflash_jax.train_target import (OptimConfig, TrainState, announced, apply_gradients, causal_forward,
                                      claim_run_folders, global_norm, lies_within, make_optimizer, run_recipe,
@@ -553,6 +553,8 @@ def main(argv: list[str] | None = None) -> None:
         eos_id = target_config.eos_token_ids[0] if target_config.eos_token_ids else None
         eval_prompts = _eval_prompts(args, tokenizer, eos_id) if args.eval_prompts else None
         tensor_parallel = None if args.tp == 1 else TensorParallel(make_mesh(args.tp), replicate_draft=True)
+        if tensor_parallel is not None:  # before the run's folders are claimed
+            local_config(target_config, args.tp)
         if args.eval_only:
             target = load_target(args.target, dtype=args.dtype, tensor_parallel=tensor_parallel)
             draft = load_draft(args.out, target, dtype=args.dtype)

@@ -663,7 +663,7 @@ def test_kv_cache_that_does_not_fit_the_device_is_refused(spec_pair, monkeypatch
         def memory_stats(self):
             return {"bytes_limit": 2**20, "bytes_in_use": 2**19}
 
-    monkeypatch.setattr(generate_module.jax, "devices", lambda: [Device()])
+    monkeypatch.setattr(generate_module.jax, "local_devices", lambda: [Device()])
     with pytest.raises(ValueError, match=r"the KV cache needs .* GiB .* and the device has 0.00 GiB free"):
         generate(spec_pair.target, [[1, 2, 3]] * 8, draft=spec_pair.draft, max_new_tokens=200, impl="reference")
 

@@ -32,7 +32,7 @@ from dflash_jax import generate as generate_cli
 from dflash_jax import target as target_model
 from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.generate import generate
-from dflash_jax.models import Draft, Target, load_draft, load_target
+from dflash_jax.models import Draft, Target, load_draft, load_target, split_draft, split_target
 from dflash_jax.nn.tensor_parallel import gather_vocab
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.sharding import (TensorParallel, is_layout, local_config, make_mesh, specs, target_layout,
@@ -208,9 +208,9 @@ class DFlashCase:
     accept_lengths: list[list[int]]
 
 
-def _dflash_case(target_dir: Path, draft_dir: Path) -> DFlashCase:
+def _dflash_case(target_dir: Path, draft_dir: Path, prompt_lens=None) -> DFlashCase:
     target = load_target(target_dir, "float32")
-    prompts = _prompts(target.config.vocab_size, DFLASH_PROMPT_LENS)
+    prompts = _prompts(target.config.vocab_size, prompt_lens or DFLASH_PROMPT_LENS)
     out = generate(target, prompts, draft=load_draft(draft_dir, target), max_new_tokens=DFLASH_NEW,
                    impl="reference")
     lengths = {n for row in out.stats.accept_lengths for n in row[:-1]}
@@ -231,7 +231,9 @@ def hybrid_copy_pair(tmp_path_factory) -> DFlashCase:
     the projection kernel's multiples of 16)."""
     hf_target = make_copy_target(family="qwen3_5_moe", linear_noise=0.3, experts=4, top_k=2, shared_width=32)
     root = tmp_path_factory.mktemp("hybrid_copy_pair")
-    return _dflash_case(save_target(hf_target, root / "target"), save_draft(make_copy_draft(hf_target), root / "draft"))
+    # a 40-token prompt: its prefill runs the chunked gated delta rule (beyond a verify block's 16)
+    return _dflash_case(save_target(hf_target, root / "target"), save_draft(make_copy_draft(hf_target), root / "draft"),
+                        prompt_lens=(*DFLASH_PROMPT_LENS, 40))
 
 
 def _load_split(case: DFlashCase, split: TensorParallel) -> tuple[Target, Draft]:
@@ -248,7 +250,11 @@ def test_dflash_split_keeps_tokens_and_acceptance_lengths(copy_pair, replicate_d
 
 
 def test_dflash_on_a_split_hybrid_keeps_tokens_and_acceptance_lengths(hybrid_copy_pair):
-    target, draft = _load_split(hybrid_copy_pair, _split(2))
+    """The models split in memory (``split_target`` / ``split_draft``) rather than loaded split."""
+    single = load_target(hybrid_copy_pair.target_dir, "float32")
+    split = _split(2)
+    target = split_target(single, split)
+    draft = split_draft(load_draft(hybrid_copy_pair.draft_dir, single), split)
     out = generate(target, hybrid_copy_pair.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
     assert out.tokens == hybrid_copy_pair.tokens
     assert out.stats.accept_lengths == hybrid_copy_pair.accept_lengths
