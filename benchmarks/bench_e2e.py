@@ -32,11 +32,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, check_block_sizes,  # noqa: E402
@@ -87,13 +90,15 @@ def nparams(tree) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """Bytes a part of a step must move and the matmul FLOPs it must do."""
+    """Bytes a part of a step must move, the matmul FLOPs it must do and, split over devices, the
+    seconds of its all-reduces (which add to the larger of the other two)."""
 
     bytes: float
     flops: float
+    reduce_seconds: float = 0.0
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.bytes + other.bytes, self.flops + other.flops)
+        return Cost(self.bytes + other.bytes, self.flops + other.flops, self.reduce_seconds + other.reduce_seconds)
 
 
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -114,10 +119,16 @@ class Roofline:
     reads them once more: ``dflash_jax.cache``). Split over ``shards`` devices (tensor
     parallelism) the floor is one device's share: split weights, KV, states and FLOPs divided by
     the shards (the draft's by ``draft_shards``: 1 when it is replicated), at one device's
-    ceilings; the all-reduces are not in it."""
+    ceilings, plus each pass's all-reduces at ``allreduce_seconds(rows)`` (measured in the same
+    run: one f32 sum of ``rows`` hidden-wide rows): two a layer and the embedding's one."""
 
-    def __init__(self, target: Target, draft: Draft, ceilings: dict, shards: int = 1, draft_shards: int = 1):
+    def __init__(self, target: Target, draft: Draft, ceilings: dict, shards: int = 1, draft_shards: int = 1,
+                 allreduce_seconds: Callable[[int], float] | None = None):
         tc, dc = target.config, draft.config.model
+        self.allreduce_seconds = allreduce_seconds or (lambda rows: 0.0)
+        self.target_reductions = 2 * tc.num_layers + 1
+        # the block's embedding (the target's, split) and, when the draft is split, its layers'
+        self.draft_reductions = 1 + (2 * dc.num_layers if draft_shards > 1 else 0)
         self.bw, self.rate = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
         t, d = target.params, draft.params
         # The routed experts' stacks apart: (num_experts, top_k, bytes per expert, params per expert).
@@ -156,7 +167,7 @@ class Roofline:
         self.draft_attention = attention_per_pair(dc) / draft_shards
 
     def seconds(self, cost: Cost) -> float:
-        return max(cost.bytes / self.bw, cost.flops / self.rate)
+        return max(cost.bytes / self.bw, cost.flops / self.rate) + cost.reduce_seconds
 
     def experts(self, tokens: int) -> Cost:
         """The routed experts of a target pass over ``tokens`` tokens."""
@@ -168,14 +179,16 @@ class Roofline:
         tokens attend to the context and, causally, to each other."""
         pairs = batch * block * (context + (block + 1) / 2)
         return Cost(self.target.bytes + batch * context * self.target_kv_token + 2 * batch * self.state_bytes,
-                    self.target.flops * batch * block + self.target_attention * pairs) + self.experts(batch * block)
+                    self.target.flops * batch * block + self.target_attention * pairs,
+                    self.target_reductions * self.allreduce_seconds(batch * block)) + self.experts(batch * block)
 
     def draft(self, batch, context, block) -> Cost:
         """The draft's block pass over ``block`` positions (each attending to the context and the
         whole block) and its logits for the block-1 drafts."""
         return Cost(self.draft_layers.bytes + self.draft_head.bytes + batch * context * self.draft_kv_token,
                     self.draft_layers.flops * batch * block + self.draft_head.flops * batch * (block - 1)
-                    + self.draft_attention * batch * block * (context + block))
+                    + self.draft_attention * batch * block * (context + block),
+                    self.draft_reductions * self.allreduce_seconds(batch * block))
 
     def commit(self, batch, block) -> Cost:
         """The committed block's context K/V for the draft (fc and the k/v projections)."""
@@ -223,6 +236,19 @@ def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None,
     if not (taken == steps).all():
         raise RuntimeError(f"a sequence finished inside a timed chunk ({taken.tolist()} of {steps} steps)")
     return Chunk(seconds, int(steps), accepted[:, :steps])
+
+
+def allreduce_seconds(mesh, rows: int, hidden: int, repeats: int, chain: int = 64) -> float:
+    """Seconds of one f32 all-reduce of [rows, hidden] over the mesh, as the split forward sums its
+    row-parallel partials: the median of ``repeats`` jitted loops of ``chain`` dependent ones."""
+    axis = mesh.axis_names[0]
+
+    def loop(x):
+        return jax.lax.fori_loop(0, chain, lambda _, y: jax.lax.psum(y, axis) * (1.0 / mesh.size), x)
+
+    program = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    x = jax.device_put(jnp.ones((rows, hidden), jnp.float32), NamedSharding(mesh, P()))
+    return median_seconds(lambda: program(x).block_until_ready(), repeats) / chain
 
 
 def mean_context(context: int, accept_lengths: np.ndarray) -> float:
@@ -460,7 +486,16 @@ def main(argv: list[str] | None = None):
         tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                          expert_parallel=args.expert_parallel)
     target, draft = random_models(args.shape, tensor_parallel)
-    roof = Roofline(target, draft, ceilings, shards=args.tp, draft_shards=1 if args.replicate_draft else args.tp)
+    report["allreduce_us"] = measured = {}  # per row count, when split
+
+    def allreduce(rows: int) -> float:
+        if rows not in measured:
+            measured[rows] = allreduce_seconds(tensor_parallel.mesh, rows, target.config.hidden_size,
+                                               args.repeats) * 1e6
+            log("allreduce", rows, "rows", f"{measured[rows]:.1f} us")
+        return measured[rows] / 1e6
+    roof = Roofline(target, draft, ceilings, shards=args.tp, draft_shards=1 if args.replicate_draft else args.tp,
+                    allreduce_seconds=None if tensor_parallel is None else allreduce)
     report["bytes"] = roof.weight_bytes()
     save()
 
@@ -518,6 +553,9 @@ def print_table(report):
           f"{c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (" +
           ", ".join(f"{k} {v / 1e3:.2f}" for k, v in c["copies_GBps"].items()) +
           f" TB/s) | bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    if report.get("allreduce_us"):
+        print("f32 all-reduce (in the floors), us per rows: " +
+              ", ".join(f"{rows}: {us:.1f}" for rows, us in sorted(report["allreduce_us"].items())))
     if report["decode"]:
         print("\nbaseline decode        ms/token  roofline ms  fraction  tok/s")
         for name, r in report["decode"].items():

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -308,6 +309,13 @@ def speculators_copies(directory: str | Path) -> list[str]:
     return [name for name, _, _ in iter_tensors(Path(directory)) if name in SPECULATORS_HEAD_COPIES]
 
 
+def _on_host(array: jax.Array) -> np.ndarray:
+    """A whole array on the host, also one split over the devices of several processes."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def check_speculators_copies(directory: str | Path, target: TargetParams) -> None:
     """A full-vocabulary speculators draft's own embedding and LM head are ignored in favour of
     the target's: warn when they differ from the target's (vLLM would use them). Reads only the
@@ -323,7 +331,7 @@ def check_speculators_copies(directory: str | Path, target: TargetParams) -> Non
             stored = load()
             differs = stored.shape != (target.embed.shape[0], target.embed.shape[1]) or any(
                 not np.array_equal(np.asarray(stored[i:i + step], dtype=target.embed.dtype),
-                                   np.asarray(ours(slice(i, i + step))))
+                                   _on_host(ours(slice(i, i + step))))
                 for i in range(0, stored.shape[0], step))
             if differs:
                 warnings.warn(f"{directory}: the draft's own {name} differs from the target's; this "

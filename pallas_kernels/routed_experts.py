@@ -12,6 +12,9 @@ silu(x W_gate) * (x W_up) for every tile (gathering the tile's token rows of x),
 down projection times the routing weight, written back in pair order; XLA sums each token's k
 rows. A tile with no rows streams nothing. At one token (decode) the 8 routed experts are 8
 tiles of one row each: the weights are read once, as a matrix-vector product must.
+
+An expert id of -1 marks a pair this call does not run (under expert parallelism, a pair routed
+to an expert another device holds): it adds 0, takes no row of any tile and reads nothing.
 """
 
 import functools
@@ -31,10 +34,12 @@ COUNTING_LIMIT = 1 << 20  # pairs x experts whose running counts (4 MB of int32)
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For routing experts [N, k]: (order [N*k]: the flattened pairs sorted by expert, stably;
-    tokens [N*k]: each sorted pair's token; group_sizes [E] int32: pairs per expert)."""
+    tokens [N*k]: each sorted pair's token; group_sizes [E] int32: pairs per expert). Pairs of
+    expert -1 sort first and count in no group."""
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    counted = jnp.where(flat >= 0, flat, num_experts)  # past the end: dropped
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[counted].add(1, mode="drop")
     return order, order // experts.shape[1], group_sizes
 
 
@@ -42,10 +47,12 @@ def routed_experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Arra
                              down: jax.Array) -> jax.Array:
     """sum_j weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) for e = experts[n, j].
 
-    x [N, H]; experts [N, k] int32 in [0, E); weights [N, k]; gate_up [E, H, 2I] (gate | up);
-    down [E, I, H]. Products are rounded to x's dtype (as torch's Linear), the weighted sum is
-    accumulated in f32 and returned [N, H] in x's dtype.
+    x [N, H]; experts [N, k] int32 in [0, E), or -1 for a pair that adds nothing; weights
+    [N, k]; gate_up [E, H, 2I] (gate | up); down [E, I, H]. Products are rounded to x's dtype (as
+    torch's Linear), the weighted sum is accumulated in f32 and returned [N, H] in x's dtype.
     """
+    weights = jnp.where(experts >= 0, weights, jnp.zeros((), weights.dtype))
+    experts = jnp.maximum(experts, 0)
     num_experts = gate_up.shape[0]
     order, tokens, group_sizes = sort_by_expert(experts, num_experts)
     gate, up = jnp.split(jax.lax.ragged_dot(x[tokens], gate_up, group_sizes), 2, axis=-1)
@@ -58,6 +65,7 @@ def expert_tiles(experts: jax.Array, num_experts: int, block_m: int) -> tuple[ja
     """The pairs of routing experts [N, k] laid out in tiles of ``block_m`` rows, one expert per
     tile, each expert's pairs in token order: (rows [T * block_m]: the pair (n * k + j) each row
     holds, -1 for padding; tile_expert [T]: each tile's expert, -1 for a tile with no rows).
+    Pairs of expert -1 are in no row.
     T = ceil(N k / block_m) + min(E, N k) bounds the tiles any routing needs (each expert with
     rows adds at most one partial tile). Up to ``COUNTING_LIMIT`` pairs x experts each pair's rank
     among its expert's pairs is counted (a running count per expert: a decode step runs a handful
@@ -65,21 +73,24 @@ def expert_tiles(experts: jax.Array, num_experts: int, block_m: int) -> tuple[ja
     MB) the pairs are sorted."""
     pairs = experts.size
     flat = experts.reshape(-1)
+    here = flat >= 0
+    known = jnp.where(here, flat, 0)   # (any expert: the pairs of -1 are dropped below)
     if pairs * num_experts <= COUNTING_LIMIT:
         running = jnp.cumsum(flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None, :], axis=0,
                              dtype=jnp.int32)                         # [P, E]: pairs so far per expert
         sizes = running[-1]
-        within = jnp.take_along_axis(running, flat[:, None], axis=1)[:, 0] - 1   # rank among its expert's pairs
+        within = jnp.take_along_axis(running, known[:, None], axis=1)[:, 0] - 1  # rank among its expert's pairs
     else:
         order, _, sizes = sort_by_expert(experts, num_experts)
-        starts = jnp.cumsum(sizes) - sizes
+        starts = jnp.cumsum(sizes) - sizes + (pairs - jnp.sum(sizes))  # (the pairs of -1 sort first)
         within = jnp.zeros((pairs,), jnp.int32).at[order].set(
-            jnp.arange(pairs, dtype=jnp.int32) - starts[flat[order]])
+            jnp.arange(pairs, dtype=jnp.int32) - starts[known[order]])
     padded = (sizes + block_m - 1) // block_m * block_m
     padded_end = jnp.cumsum(padded)
-    slot = (padded_end - padded)[flat] + within
     num_tiles = pl.cdiv(pairs, block_m) + min(num_experts, pairs)
-    rows = jnp.full((num_tiles * block_m,), -1, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32))
+    slot = jnp.where(here, (padded_end - padded)[known] + within, num_tiles * block_m)
+    rows = jnp.full((num_tiles * block_m,), -1, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32),
+                                                                        mode="drop")
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     tile_expert = jnp.sum(padded_end[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     return rows, jnp.where(tile_start < padded_end[-1], tile_expert, -1)
@@ -232,4 +243,6 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
              width, hidden, x.dtype, "routed_experts_gate_up", 2)
     out = call(_down_kernel, (rows, tile_expert, weights.reshape(-1), h, down), n * top_k, hidden, width,
                jnp.float32, "routed_experts_down", 1)
-    return out.reshape(n, top_k, hidden).sum(axis=1).astype(x.dtype)
+    # a pair of expert -1 has no row: its output row was never written
+    out = jnp.where((experts >= 0)[..., None], out.reshape(n, top_k, hidden), 0.0)
+    return out.sum(axis=1).astype(x.dtype)

@@ -448,6 +448,32 @@ def test_routed_experts(case, interpret, check):
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
+@pytest.mark.parametrize("case", [c for c in EXPERT_CASES if c[0] != "f16"], ids=lambda c: "-".join(map(str, c)))
+def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, check):
+    """Pairs marked -1 (under expert parallelism, routed to another device's experts) add nothing:
+    the kernel equals the reference, and both equal the same routing with those pairs' weights 0;
+    a call whose pairs are all -1 gives zeros."""
+    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing = case
+    dtype = DTYPES[dtype]
+    rng = _rng("experts-skip", case)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    routed = _routing(rng, tokens, top_k, num_experts, routing)
+    skipped = rng.random(routed.shape) < 0.5
+    experts = jnp.asarray(np.where(skipped, -1, routed), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
+    gate_up = jnp.asarray(0.1 * rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
+    down = jnp.asarray(0.1 * rng.standard_normal((num_experts, width, hidden)), dtype)
+    zero_weighted = pk.routed_experts_reference(x, jnp.asarray(routed, jnp.int32),
+                                                jnp.where(jnp.asarray(skipped), 0, weights).astype(dtype), gate_up, down)
+    reference = pk.routed_experts_reference(x, experts, weights, gate_up, down)
+    np.testing.assert_array_equal(np.asarray(reference, np.float32), np.asarray(zero_weighted, np.float32))
+    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
+    check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
+    none = pk.routed_experts(x, jnp.full_like(experts, -1), weights, gate_up, down, interpret=interpret,
+                             block_m=block_m)
+    np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
+
+
 @pytest.mark.parametrize("counting", [True, False], ids=["counted", "sorted"])
 def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeypatch):
     """Every pair in exactly one row, each expert's pairs in token order in tiles of that expert
@@ -471,6 +497,23 @@ def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeyp
         pairs = rows[np.isin(np.arange(len(rows)) // 16, np.flatnonzero(tile_expert == expert))]
         assert pairs[pairs >= 0].tolist() == np.flatnonzero(flat == expert).tolist()
     assert len(tile_expert) == -(-37 * 4 // 16) + 10
+
+
+@pytest.mark.parametrize("counting", [True, False], ids=["counted", "sorted"])
+def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypatch):
+    """Pairs of expert -1 are in no row; the others are laid out as without them (each expert's
+    pairs in token order, in tiles of that expert alone), counted or sorted alike."""
+    import importlib
+    routed_experts = importlib.import_module("pallas_kernels.routed_experts")
+    monkeypatch.setattr(routed_experts, "COUNTING_LIMIT", 1 << 30 if counting else 0)
+    rng = _rng("tiles-skip")
+    routed = _routing(rng, 37, 4, 10, "skewed")
+    flat = np.where(rng.random(routed.shape) < 0.4, -1, routed).reshape(-1)
+    rows, tile_expert = (np.asarray(a) for a in routed_experts.expert_tiles(jnp.asarray(flat.reshape(37, 4)), 10, 16))
+    assert sorted(rows[rows >= 0].tolist()) == np.flatnonzero(flat >= 0).tolist()
+    for expert in range(10):
+        pairs = rows[np.isin(np.arange(len(rows)) // 16, np.flatnonzero(tile_expert == expert))]
+        assert pairs[pairs >= 0].tolist() == np.flatnonzero(flat == expert).tolist()
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,14 +81,12 @@ def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, ja
     return experts.astype(jnp.int32), weights.astype(h.dtype)
 
 
-def _held_pairs(experts: jax.Array, weights: jax.Array, held: int, first: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(token, expert) pairs [N, k] as a shard holding experts first .. first + held - 1 runs them:
-    local expert ids, and the pairs routed to other shards weighted 0 and pointed at one of this
-    shard's routed experts (or its first), so that they read no expert weights of their own."""
+def _held_pairs(experts: jax.Array, held: int, first: jax.Array) -> jax.Array:
+    """The expert ids [N, k] of (token, expert) pairs as the shard holding experts first .. first +
+    held - 1 runs them: local ids, and -1 for a pair routed to another shard (which the experts'
+    kernel and reference skip: no rows, no weights read)."""
     local = experts - first
-    mine = (local >= 0) & (local < held)
-    some_mine = jnp.maximum(jnp.max(jnp.where(mine, local, -1)), 0)
-    return jnp.where(mine, local, some_mine).astype(jnp.int32), jnp.where(mine, weights, jnp.zeros((), weights.dtype))
+    return jnp.where((local >= 0) & (local < held), local, -1).astype(jnp.int32)
 
 
 def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Array, eps: float,
@@ -96,13 +94,13 @@ def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Arr
     """x + the routed experts' weighted sum of rms_norm(x): x [B, T, H]. With ``tensor_axis``
     every shard routes every token, and runs its share of the experts: a slice of every expert's
     width, or (expert parallelism: its weights hold fewer than ``num_experts``) a whole block of
-    experts, the pairs routed elsewhere weighted 0. The routed and shared partial sums are summed
+    experts, skipping the pairs routed elsewhere. The routed and shared partial sums are summed
     over the axis once, before the residual."""
     h = rms_norm(x, norm_weight, eps).reshape(-1, x.shape[-1])
     experts, weights = route(h, params.router, spec)
     held = params.gate_up_proj.shape[0]
     if tensor_axis is not None and held < spec.num_experts:
-        experts, weights = _held_pairs(experts, weights, held, jax.lax.axis_index(tensor_axis) * held)
+        experts = _held_pairs(experts, held, jax.lax.axis_index(tensor_axis) * held)
     y = ops.routed_experts(h, experts, weights, params.gate_up_proj, params.down_proj, impl=impl)
     if params.shared is not None:
         # transformers: sigmoid(h @ shared_gate) * shared_mlp(h), added to the routed sum, all in h's dtype

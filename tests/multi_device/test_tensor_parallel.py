@@ -177,6 +177,8 @@ def test_moe_experts_dealt_out_whole_give_the_tokens_and_logits_of_one_device(fa
     assert_same_params(unsharded(target.params, layout, split), case.single.params)
     np.testing.assert_allclose(prompt_logits(target, case.prompts), case.logits, **LOGITS_TOLERANCE)
     assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+    if case.name == "qwen3_moe" and tp == 2:  # the experts' kernel skipping the pairs held elsewhere (interpreted)
+        assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="interpret").tokens == case.tokens
 
 
 @pytest.mark.parametrize("tp", [2, 4])
