@@ -31,7 +31,7 @@ from dflash_jax import draft as draft_model
 from dflash_jax import target as target_model
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig, ModelConfig
-from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
+from dflash_jax.nn.tensor_parallel import vocab_argmax
 from dflash_jax.params import DraftParams, TargetParams
 from dflash_jax.sharding import (TensorParallel, cache_specs, draft_layout, local_config, local_draft_config, specs,
                                  target_layout)
@@ -204,8 +204,8 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:], vocab_axis)
     if state.sampling.greedy:
         return vocab_argmax(logits, vocab_axis), None
-    probs = sampling_probs(gather_vocab(logits, vocab_axis), state.sampling)
-    return sample_probs(key, probs), probs
+    probs = sampling_probs(logits, state.sampling, vocab_axis)
+    return sample_probs(key, probs, vocab_axis), probs
 
 
 def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, block_lens: jax.Array,
@@ -223,8 +223,8 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
         return accepted, choose(key, next_logits, sampling, vocab_axis)
     if sampling.greedy:
         return accept_greedy(drafts, logits, block_lens, vocab_axis)
-    return accept_sampling(key, drafts, draft_probs, sampling_probs(gather_vocab(logits, vocab_axis), sampling),
-                           block_lens)
+    return accept_sampling(key, drafts, draft_probs, sampling_probs(logits, sampling, vocab_axis), block_lens,
+                           vocab_axis)
 
 
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,

@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
+from dflash_jax.nn.tensor_parallel import gather_vocab, local_vocab, vocab_argmax
 
 
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 1.18e-38, float32's smallest normal number
@@ -86,8 +86,14 @@ def _top_p_sorted(sorted_probs: jax.Array, top_p: float) -> jax.Array:
     return kept / jnp.sum(kept, axis=-1, keepdims=True)
 
 
-def sampling_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
-    """Probabilities [..., V] (f32) that sampling at ``config`` draws from (T > 0)."""
+def sampling_probs(logits: jax.Array, config: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
+    """Probabilities [..., V] (f32) that sampling at ``config`` draws from (T > 0). With
+    ``vocab_axis`` the logits and the probabilities are this shard's vocabulary columns
+    (``nn.tensor_parallel``), computed from the shards' maxima, sums and top-k candidates
+    without gathering the logits, except for top-p without top-k, which sorts the whole
+    vocabulary (gathered)."""
+    if vocab_axis is not None:
+        return _split_sampling_probs(logits, config, vocab_axis)
     logits = logits.astype(jnp.float32)
     # Shifted so the best score is 0 before dividing: a tiny temperature then gives -inf or 0,
     # never inf - inf = NaN.
@@ -107,18 +113,48 @@ def sampling_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     return probs
 
 
-def sample_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per row of probs [..., V]."""
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+def _split_sampling_probs(logits: jax.Array, config: SamplingConfig, axis: str) -> jax.Array:
+    """``sampling_probs`` of vocabulary columns split over ``axis``: the same probabilities, this
+    shard's columns of them."""
+    logits = logits.astype(jnp.float32)
+    width = logits.shape[-1]
+    vocab = width * jax.lax.axis_size(axis)
+    top_k = 0 < config.top_k < vocab
+    if config.nucleus and not top_k:
+        return local_vocab(sampling_probs(gather_vocab(logits, axis), config), axis)
+    scores = (logits - jax.lax.pmax(jnp.max(logits, axis=-1, keepdims=True), axis)) / config.temperature
+    if not top_k:
+        weights = jnp.exp(scores)
+    else:
+        # the global top k are among the shards' own top k: gathered, k values a shard
+        candidates = jax.lax.all_gather(jax.lax.top_k(scores, min(config.top_k, width))[0], axis,
+                                        axis=scores.ndim - 1, tiled=True)
+        values = jax.lax.top_k(candidates, config.top_k)[0]                   # sorted descending
+        cut = values[..., -1:]
+        if config.nucleus:  # the smallest score top-p keeps of those k
+            kept = _top_p_sorted(jax.nn.softmax(values, axis=-1), config.top_p)
+            cut = jnp.min(jnp.where(kept > 0, values, jnp.inf), axis=-1, keepdims=True)
+        weights = jnp.where(scores >= cut, jnp.exp(scores), 0.0)
+    return weights / jax.lax.psum(jnp.sum(weights, axis=-1, keepdims=True), axis)
+
+
+def sample_probs(key: jax.Array, probs: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """One token per row of probs [..., V]; with ``vocab_axis``, of this shard's columns of them:
+    each shard's Gumbel-max winner (its own noise), then the best of those (exact, as a
+    categorical draw is the Gumbel-max of the log-probabilities)."""
+    if vocab_axis is None:
+        return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    noise = jax.random.gumbel(jax.random.fold_in(key, jax.lax.axis_index(vocab_axis)), probs.shape)
+    return vocab_argmax(jnp.log(probs) + noise, vocab_axis)
 
 
 def choose(key: jax.Array, logits: jax.Array, config: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
     """Next token(s) from logits [..., V]: argmax when greedy, else a sample. With ``vocab_axis``
-    the logits are this shard's vocabulary columns (``nn.tensor_parallel``): the argmax needs
-    only each shard's best, a sample the gathered logits."""
+    the logits are this shard's vocabulary columns (``nn.tensor_parallel``): neither needs the
+    gathered logits."""
     if config.greedy:
         return vocab_argmax(logits, vocab_axis)
-    return sample_probs(key, sampling_probs(gather_vocab(logits, vocab_axis), config))
+    return sample_probs(key, sampling_probs(logits, config, vocab_axis), vocab_axis)
 
 
 def leading_run(ok: jax.Array) -> jax.Array:
@@ -139,18 +175,32 @@ def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array, block_lens:
     return accepted, jnp.take_along_axis(posterior, accepted[:, None], axis=1)[:, 0]
 
 
+def _probs_of(probs: jax.Array, tokens: jax.Array, vocab_axis: str | None) -> jax.Array:
+    """probs[..., tokens] for probs [..., V] (with ``vocab_axis``: this shard's columns; each token's
+    probability found on one shard, summed) and tokens [...]."""
+    if vocab_axis is None:
+        return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    width = probs.shape[-1]
+    local = tokens - jax.lax.axis_index(vocab_axis) * width
+    found = jnp.take_along_axis(probs, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
+    return jax.lax.psum(jnp.where((local >= 0) & (local < width), found, 0.0), vocab_axis)
+
+
 def accept_sampling(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
-                    target_probs: jax.Array, block_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    target_probs: jax.Array, block_lens: jax.Array,
+                    vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling: accept draft x at i with prob min(1, p(x)/q(x)); at the first
     rejection sample from normalize(max(p - q, 0)) (p itself if that is all zero); if every
     draft is accepted sample the bonus from p at the next position.
 
     draft_tokens [B, T-1]; draft_probs q [B, T-1, V]; target_probs p [B, T, V]; block_lens [B].
+    With ``vocab_axis`` q and p are this shard's vocabulary columns (``sampling_probs``): the
+    probabilities of the drafts and the residual's mass are summed over the shards.
     """
     accept_key, bonus_key = jax.random.split(key)
     num_drafts = draft_tokens.shape[1]
-    p = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]
-    q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    p = _probs_of(target_probs[:, :-1], draft_tokens, vocab_axis)
+    q = _probs_of(draft_probs, draft_tokens, vocab_axis)
     u = jax.random.uniform(accept_key, p.shape)
     slots = jnp.arange(num_drafts)[None, :]
     accepted = leading_run((u * q < p) & (slots < block_lens[:, None] - 1))
@@ -159,6 +209,8 @@ def accept_sampling(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Ar
                                  axis=1)[:, 0]
     residual = jnp.maximum(p_next - q_next, 0)
     total = jnp.sum(residual, axis=-1, keepdims=True)
+    if vocab_axis is not None:
+        total = jax.lax.psum(total, vocab_axis)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1), p_next)
     all_accepted = (accepted >= block_lens - 1)[:, None]
-    return accepted, sample_probs(bonus_key, jnp.where(all_accepted, p_next, residual))
+    return accepted, sample_probs(bonus_key, jnp.where(all_accepted, p_next, residual), vocab_axis)
