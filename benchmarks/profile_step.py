@@ -32,13 +32,15 @@ from common import (SHAPES, acceptance_rate, add_auto_kernels_option, check_bloc
 from dflash_jax.ops import IMPLS  # noqa: E402
 from dflash_jax.cli import at_least  # noqa: E402
 from dflash_jax.generate import prepare  # noqa: E402
+from dflash_jax.sharding import TensorParallel, make_mesh  # noqa: E402
 
 
 MODES = ("decode", "dflash")
 
 
-def kernel_events(trace_dir: Path) -> list[dict]:
-    """Complete events on GPU stream tracks of the one Perfetto trace JAX wrote into ``trace_dir``."""
+def kernel_events(trace_dir: Path, first_gpu_only: bool = False) -> list[dict]:
+    """Complete events on GPU stream tracks of the one Perfetto trace JAX wrote into ``trace_dir``
+    (``first_gpu_only``: of GPU 0's tracks alone, when a split model runs on several)."""
     paths = list(trace_dir.rglob("perfetto_trace.json.gz"))
     if len(paths) != 1:
         raise RuntimeError(f"expected one Perfetto trace in {trace_dir}, found {len(paths)}")
@@ -52,6 +54,8 @@ def kernel_events(trace_dir: Path) -> list[dict]:
     gpu = [e for e in events if e.get("ph") == "X" and "dur" in e and (
         "stream" in names.get((e.get("pid"), e.get("tid")), "").lower()
         or "/device:gpu" in pids.get(e.get("pid"), "").lower())]
+    if first_gpu_only:
+        gpu = [e for e in gpu if "/device:gpu:0" in pids.get(e.get("pid"), "").lower()]
     return gpu
 
 
@@ -101,10 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", type=positive_int, default=16, help="DFlash block size")
     parser.add_argument("--alpha", type=acceptance_rate, default=0.86, help="DFlash replayed acceptance, in [0, 1)")
     parser.add_argument("--sequence", type=at_least(0), default=0, help="print this many kernels in time order")
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="split the models over this many devices; GPU 0's kernels are profiled (its "
+                             "all-reduces among them)")
     add_auto_kernels_option(parser)
     args = parser.parse_args(argv)
     check_block_sizes(parser, "--block", [args.block], args.shape)
     check_positions(parser, "--context", [args.context], args.steps * args.block + 1, args.shape)
+    if args.tp > jax.device_count():
+        parser.error(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} visible")
     return args
 
 
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None):
     require_gpu(args.shape)
     override_auto_kernels(args.auto_kernels)
     args.out.mkdir(parents=True, exist_ok=True)
-    target, draft = random_models(args.shape)
+    target, draft = random_models(args.shape, None if args.tp == 1 else TensorParallel(make_mesh(args.tp)))
     prompts = random_prompts(np.random.default_rng(0), args.batch, args.context, target.config.vocab_size)
     report = run_record(args)
     save = functools.partial(write_json, args.out / "profile.json", report)
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None):
         jax.block_until_ready(prep.chunk(prep.prefill(), alpha))  # warm-up
         trace_dir = Path(tempfile.mkdtemp(prefix=f"trace_{name}_", dir=args.out))
         chunk = time_chunk(prep, 1, alpha, trace_dir)
-        events = kernel_events(trace_dir)
+        events = kernel_events(trace_dir, first_gpu_only=args.tp > 1)
         if not events and jax.default_backend() == "gpu":
             raise RuntimeError(f"the trace in {trace_dir} holds no GPU kernel events: has the "
                                "profiler's trace format changed?")

@@ -98,6 +98,10 @@ def parse_error(capsys, parse, argv) -> str:
     (["--batches", "1,8,1"], "1 given more than once"),
     (["--alphas", "0.86,0.860"], "0.86 given more than once"),
     (["--skip", "parts,parts"], "parts given more than once"),
+    (["--tp", "2"], "add --skip parts"),
+    (["--replicate-draft"], "need --tp > 1"),
+    (["--expert-parallel", "--skip", "parts"], "need --tp > 1"),
+    (["--tp", "2", "--skip", "parts"], "--tp 2 needs 2 devices; 1 visible"),
 ])
 def test_bench_e2e_rejects_bad_settings_when_parsing(capsys, argv, message):
     line = parse_error(capsys, bench_e2e.parse_args, ["--shape", "tiny", *argv])
@@ -289,6 +293,7 @@ def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
     (["--modes", "decode,dflsh"], "unknown dflsh"), (["--modes", ""], "no empty items"),
     (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be an integer >= 1"),
     (["--sequence", "-3"], "must be an integer >= 0"),
+    (["--tp", "2"], "--tp 2 needs 2 devices; 1 visible"),
 ])
 def test_profile_step_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert message in parse_error(capsys, profile_step.parse_args, ["--shape", "tiny", *argv])

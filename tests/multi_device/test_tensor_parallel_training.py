@@ -61,3 +61,15 @@ def test_the_benchmark_times_split_models_on_cpu(tmp_path):
         assert "bs1_ctx16_block4_alpha0.86" in done.stdout
         report = json.loads((tmp_path / "bench_e2e.json").read_text())
         assert sorted(report["allreduce_us"]) == ["1", "4"] and all(us > 0 for us in report["allreduce_us"].values())
+
+
+def test_the_profiler_profiles_split_models_on_cpu(tmp_path):
+    """profile_step --tp 2 traces both modes of the tiny shape split over two devices (no GPU
+    kernels on a CPU: the run, not the kernel table, is what is checked here)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--shape", "tiny", "--tp", "2",
+                           "--steps", "2", "--top", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["decode"]["traced_wall_ms_per_step"] > 0 and report["dflash"]["traced_wall_ms_per_step"] > 0
+
