@@ -1,6 +1,10 @@
 """Convert an HF folder (a target of any supported family, or a DFlash draft) into a folder that dflash_jax loads.
-Errors print one line and exit 2, as the other command lines do (130 on Ctrl-C or a kill);
-nothing is left behind."""
+Everything is written into a hidden folder beside OUT, .NAME.<8 hex digits>.tmp (NAME: OUT's own
+name), renamed to OUT when complete. Errors print one line and exit 2, as the other command lines
+do, and Ctrl-C or SIGTERM exits 130; either way the hidden folder is removed. SIGKILL (kill -9, the
+out-of-memory killer) cannot be caught: it may leave the hidden folder behind (with --overwrite,
+also the folder being replaced, as .NAME.<8 hex digits>.old). A later conversion to OUT warns of
+them; delete them once none runs."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import signal
 import sys
 
 from checkpoints_convert.convert import convert
-from dflash_jax.cli import INTERRUPTED, exit_with, one_line_warnings
+from dflash_jax.cli import INTERRUPTED, DefaultsHelpFormatter, exit_with, one_line_warnings
 from dflash_jax.models import DTYPES
 
 
@@ -19,11 +23,15 @@ def _interrupt(signum, frame):
 
 @one_line_warnings()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__)
-    parser.add_argument("src", help="HF model folder (config.json + safetensors)")
-    parser.add_argument("out", help="output folder (created atomically)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored float dtype")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a model folder (or empty)")
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("src", metavar="SRC", help="HF model folder (config.json + safetensors)")
+    parser.add_argument("out", metavar="OUT", help="output folder (appears only when complete)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                        help="stored float dtype (config.json states it)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT if it is a model folder (with a config.json) or an empty folder; never "
+                             "another folder")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a kill cleans up as Ctrl-C does

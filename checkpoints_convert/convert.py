@@ -10,6 +10,7 @@ directory that is renamed to OUT only when complete.
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import shutil
 import warnings
@@ -35,14 +36,20 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
     included, it is removed and ``out`` is left as it was. The checks run again at the end, for
     an ``out`` that appeared meanwhile."""
     check_replaceable(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _cannot_write(out, error) from None
     stale = sorted(path.name for suffix in ("tmp", "old") for path in out.parent.glob(f".{out.name}.*.{suffix}"))
     if stale:
         warnings.warn(f"{out.parent} holds {', '.join(stale)}, left by an interrupted conversion or export "
                       f"to {out.name} (*.old: a folder it replaced); delete them once none is running",
                       stacklevel=3)
     tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
+    try:
+        tmp.mkdir()  # not mkdtemp: OUT gets the umask's permissions, not 0700
+    except OSError as error:
+        raise _cannot_write(out, error) from None
     trash = None
     try:
         yield tmp
@@ -73,14 +80,16 @@ def atomic_output(out: Path, overwrite: bool) -> Iterator[Path]:
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
     """FileExistsError unless ``out`` is absent, or ``overwrite`` and it is an empty folder or a
-    model folder (HF or converted: config.json inside), never a user's other folder."""
+    model folder (HF or converted: config.json inside), never a user's other folder; only where
+    ``overwrite`` would replace it does the error suggest it."""
     if not (out.exists() or out.is_symlink()):
         return
+    if out.is_symlink() or not out.is_dir() or not ((out / "config.json").is_file() or not any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not a model folder (with a config.json) or an empty "
+                              "folder: refusing to replace it, even with --overwrite / overwrite=True; choose "
+                              "another output folder")
     if not overwrite:
         raise FileExistsError(f"{out} already exists (use --overwrite / overwrite=True to replace it)")
-    if out.is_symlink() or not out.is_dir() or not ((out / "config.json").is_file() or not any(out.iterdir())):
-        raise FileExistsError(f"{out} is not a model folder (no config.json): refusing to replace it, "
-                              "even with --overwrite")
 
 
 def check_writable(out: Path) -> None:
@@ -93,8 +102,15 @@ def check_writable(out: Path) -> None:
     try:
         probe.mkdir()
     except OSError as error:
-        raise OSError(f"cannot write {out}: {error}") from None
+        raise _cannot_write(out, error) from None
     probe.rmdir()
+
+
+def _cannot_write(out: Path, error: OSError) -> OSError:
+    """``error``, met making a folder for ``out`` (a hidden sibling or a parent), as an error of its
+    kind naming ``out`` and the folder that refused, not the folder it was making."""
+    refused = f" (in {Path(error.filename).parent})" if error.filename else ""
+    return type(error)(f"cannot write {out}: {error.strerror or error}{refused}")
 
 
 def _apply_umask_permissions(root: Path) -> None:
@@ -106,6 +122,17 @@ def _apply_umask_permissions(root: Path) -> None:
     for path in root.rglob("*"):
         if not path.is_symlink():
             path.chmod(folder_mode if path.is_dir() else folder_mode & 0o666)
+
+
+def _stating_dtype(config_json: dict, dtype: str) -> dict:
+    """``config_json`` saying that its weights are stored as ``dtype``: ``dtype`` (transformers 5)
+    and ``torch_dtype`` (older readers) at the top, and those of them a release's ``text_config``
+    has."""
+    stated = {**config_json, "dtype": dtype, "torch_dtype": dtype}
+    text = config_json.get("text_config")
+    if isinstance(text, dict):
+        stated["text_config"] = {**text, **{key: dtype for key in ("dtype", "torch_dtype") if key in text}}
+    return stated
 
 
 def _until(interrupted, leaves):
@@ -121,7 +148,7 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
             progress: bool = True) -> Path:
     """Convert the HF folder ``src`` (a target of any supported family, or a DFlash draft in z-lab or speculators
     format, told apart by its config.json) into ``out``, which ``dflash_jax.models.load_target``
-    / ``load_draft`` then read. Floats are stored as ``dtype``. Raises ConfigError or
+    / ``load_draft`` then read. Floats are stored as ``dtype``, which config.json states. Raises ConfigError or
     CheckpointError (naming the field or tensor) when config and weights disagree, and
     FileExistsError when ``out`` exists and not ``overwrite``; a failed conversion leaves nothing.
     """
@@ -135,7 +162,8 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
                          "python -m dflash_jax.generate read it as it is")
     if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
         raise ValueError(f"output {out} would replace the source folder {src}")
-    kind = "draft" if is_draft_config(read_config_json(src)) else "target"
+    raw_config = read_config_json(src)
+    kind = "draft" if is_draft_config(raw_config) else "target"
     with atomic_output(out, overwrite) as tmp:
         config, structure, leaves = checkpoint.hf_source(src, kind, DTYPES[dtype], progress=progress)
         if kind == "draft" and config.source_format == "speculators" and config.draft_vocab_size is None:
@@ -150,7 +178,8 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
             checkpoint.save_params(tmp, checkpoint.LeafStream(structure, _until(interrupted, leaves)))
         if interrupted():
             raise KeyboardInterrupt
-        for name in ("config.json",) + SIDE_FILES:
+        (tmp / "config.json").write_text(json.dumps(_stating_dtype(raw_config, dtype), indent=2) + "\n")
+        for name in SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
         checkpoint.write_marker(tmp, kind, dtype)

@@ -16,6 +16,7 @@ place a step's outcome enters the cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -23,10 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax.sharding import PartitionSpec as P
+
 from dflash_jax.config import ModelConfig
 from dflash_jax.nn import gated_deltanet
 from dflash_jax.nn.attention import AttentionSpec
 from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec, PendingBlock
+from dflash_jax.sharding import TensorParallel, cache_specs, named
 
 
 class OutOfPagesError(RuntimeError):
@@ -172,3 +176,42 @@ def init_cache(target: ModelConfig | None, draft: ModelConfig | None, page_table
     return PagedKVCache(k=tuple(ks), v=tuple(vs), conv=tuple(conv), recurrent=tuple(recurrent),
                         page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.zeros((batch,), jnp.int32),
                         num_target_layers=len(mixers(target)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num_pages: int, page_size: int,
+                  dtype, tensor_parallel: TensorParallel | None) -> PagedKVCache:
+    """``init_cache`` compiled once per shape (``generate.prepare`` compiles it with the rest), so timing a
+    prefill times no compilation; split over the mesh of ``tensor_parallel`` when given."""
+    cache = init_cache(target, draft, page_table, num_pages, page_size, dtype)
+    if tensor_parallel is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, named(cache_specs(cache, tensor_parallel), tensor_parallel.mesh))
+
+
+def check_cache_fits(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> None:
+    """ValueError when the paged KV cache (its shapes: target and draft layers; split over the
+    mesh of ``tensor_parallel``, its split pools a share per device) would not fit in the device
+    memory left beside what is already there (the weights), as far as the device reports it (GPUs
+    do; CPUs report nothing)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if not stats.get("bytes_limit"):
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    shares = [1] * len(jax.tree.leaves(cache)) if tensor_parallel is None else [
+        tensor_parallel.size if spec != P() else 1
+        for spec in jax.tree.leaves(cache_specs(cache, tensor_parallel), is_leaf=lambda x: isinstance(x, P))]
+    needed = sum(x.size * x.dtype.itemsize // share for x, share in zip(jax.tree.leaves(cache), shares, strict=True))
+    if needed > free:
+        raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
+                         "slots: each sequence's prompt + max_new_tokens + a block) and the device has "
+                         f"{free / 2**30:.2f} GiB free beside the weights: use fewer prompts per batch or a "
+                         "smaller max_new_tokens (a server: fewer pages or a shorter max_model_len)")
+
+
+def check_page_size(config: ModelConfig, page_size: int) -> None:
+    """ValueError for a page larger than the model's positions: every prompt is padded to whole
+    pages, so such a page only costs memory and prefill time."""
+    if page_size > config.max_position_embeddings:
+        raise ValueError(f"page_size {page_size} exceeds the target's max_position_embeddings "
+                         f"{config.max_position_embeddings} (prompts are padded to whole pages)")

@@ -1,7 +1,8 @@
 """Pieces shared by the command lines (generate, convert, the training CLIs and the benchmarks):
-argparse types whose bad values are one usage error naming the flag, the one-line report of
-refused input, one-line warnings, interrupts deferred to the end of a training step, the folder
-that keeps compiled programs between runs, and how a command line exits."""
+argparse types whose bad values are one usage error naming the flag, --help naming each flag's
+default, the one-line report of refused input, one-line warnings, interrupts deferred to the end
+of a training step, the folder that keeps compiled programs between runs, and how a command line
+exits."""
 
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def named_as_flags(names: Iterable[str]) -> Iterator[None]:
         if message == str(error):
             raise
         raise ValueError(message) from error
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help ending each flag's text with ``(default: VALUE)``; a flag whose default is None says
+    in its own text what leaving it out means, and a switch (off by default) says nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.option_strings or unset or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:

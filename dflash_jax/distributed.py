@@ -51,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "several hosts", "run the same command on every host, each with its own --process-id; "
         "all three flags (or their environment variables) or none")
     group.add_argument("--coordinator", metavar="HOST:PORT",
-                       help="address of process 0, where the others join (default $JAX_COORDINATOR_ADDRESS)")
-    group.add_argument("--num-processes", metavar="N", help="processes in all (default $JAX_NUM_PROCESSES)")
-    group.add_argument("--process-id", metavar="I", help="this process, 0 .. N-1 (default $JAX_PROCESS_ID)")
+                       help="address of process 0, where the others join (default: $JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", metavar="N", help="processes in all (default: $JAX_NUM_PROCESSES)")
+    group.add_argument("--process-id", metavar="I", help="this process, 0 .. N-1 (default: $JAX_PROCESS_ID)")
 
 
 def _integer(text: str, source: str, minimum: int) -> int:

@@ -23,23 +23,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import distributed
-from dflash_jax.cache import PagedKVCache, allocate_pages, init_cache
-from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, deferred_interrupts, exit_with, interrupt_exits,
-                            keep_compiled_programs, named_as_flags, one_line_warnings, or_na)
+from dflash_jax.cache import PagedKVCache, allocate_pages, check_cache_fits, check_page_size, zeroed_cache
+from dflash_jax.cli import (COMPILE_CACHE_HELP, DefaultsHelpFormatter, at_least, deferred_interrupts, exit_with,
+                            interrupt_exits, keep_compiled_programs, named_as_flags, one_line_warnings, or_na)
 from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
-from dflash_jax.decode import (DecodeState, LoopConfig, check_steps_per_check, decode_chunk,
+from dflash_jax.engine import Engine, RequestOutput, RequestParams, compile_seconds
+from dflash_jax.decode import (DecodeState, LoopConfig, bucket, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill, state_specs)
 from dflash_jax.models import DTYPES, Draft, Target, load_draft, load_target
 from dflash_jax.ops import check_kernel_shapes
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.sharding import TensorParallel, cache_specs, local_config, local_draft_config, make_mesh, named
-from dflash_jax.tokenizer import (TextStream, Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
+from dflash_jax.sharding import (TensorParallel, cache_specs, local_config, local_draft_config, make_mesh, named,
+                                 replicated)
+from dflash_jax.tokenizer import (Tokenizer, add_chat_arguments, chat_options, read_prompt_file,
                                   render_prompts)
 from pallas_kernels.tuning import next_power_of_2
+from tqdm import tqdm
 
 
 @dataclasses.dataclass
@@ -173,13 +175,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _bucket(n: int, per_doubling: int = 8) -> int:
-    """``n`` rounded up to one of ``per_doubling`` sizes between consecutive powers of two (at
-    most 1/per_doubling more): the sizes that set compiled shapes (prompt padding, pages,
-    buffers), so that batches of nearby sizes reuse one compilation."""
-    return _round_up(n, max(1, (1 << (n.bit_length() - 1)) // per_doubling))
-
-
 def replay_alpha_array(replay_alpha: float | jax.Array | None,
                        tensor_parallel: TensorParallel | None = None) -> jax.Array | None:
     """A replay acceptance probability as the float32 device scalar a decode chunk takes (on
@@ -189,42 +184,12 @@ def replay_alpha_array(replay_alpha: float | jax.Array | None,
         return None
     if not isinstance(replay_alpha, jax.Array):
         replay_alpha = jax.device_put(np.float32(replay_alpha))
-    return _replicated(replay_alpha, tensor_parallel)
+    return replicated(replay_alpha, tensor_parallel)
 
 
 def _generated(rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     """Each row of a host buffer [B, N] (tokens, accept lengths) cut at its count [B]."""
     return [row[:count].tolist() for row, count in zip(rows, counts)]
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num_pages: int, page_size: int,
-                  dtype, tensor_parallel: TensorParallel | None) -> PagedKVCache:
-    """``init_cache`` compiled once per shape (``prepare`` compiles it with the rest), so timing a
-    prefill times no compilation; split over the mesh of ``tensor_parallel`` when given."""
-    cache = init_cache(target, draft, page_table, num_pages, page_size, dtype)
-    if tensor_parallel is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, named(cache_specs(cache, tensor_parallel), tensor_parallel.mesh))
-
-
-def _replicated(tree, tensor_parallel: TensorParallel | None):
-    """Inputs of a split program: a copy on every device of the mesh (as they are on one device).
-    Each process fills its own devices from its host copy (a mesh may span several processes,
-    whose devices no other process can write); an array already replicated is passed as is."""
-    if tensor_parallel is None:
-        return tree
-    sharding = NamedSharding(tensor_parallel.mesh, P())
-
-    def put(x):
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-            return x
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda _: host)
-
-    return jax.tree.map(put, tree)
 
 
 def _abstract_on_mesh(abstract, spec_tree, tensor_parallel: TensorParallel | None):
@@ -259,18 +224,18 @@ class PreparedGeneration:
     compile_seconds: float
 
     def _cache_args(self) -> tuple:
-        """``_zeroed_cache``'s arguments for this batch."""
+        """``zeroed_cache``'s arguments for this batch."""
         draft = None if self.config.draft is None else self.config.draft.model
         return (jnp.asarray(self.page_table, jnp.int32), self.config.target, draft, self.num_pages, self.page_size,
                 self.target.params.embed.dtype, self.config.tensor_parallel)
 
     def new_cache(self) -> PagedKVCache:
-        return _zeroed_cache(*self._cache_args())
+        return zeroed_cache(*self._cache_args())
 
     def prefill(self, seed: int = 0) -> DecodeState:
         check_seed(seed)
         return self.prefill_fn(self.target.params, self._draft_params, *self.inputs, self.new_cache(),
-                               _replicated(jax.random.key(seed), self.config.tensor_parallel), self.sampling)
+                               replicated(jax.random.key(seed), self.config.tensor_parallel), self.sampling)
 
     def chunk(self, state: DecodeState, replay_alpha: float | jax.Array | None = None) -> DecodeState:
         """Advance every sequence by up to ``chunk_steps`` steps (``state`` is donated); a
@@ -332,36 +297,30 @@ class PreparedGeneration:
 
 
 def check_prompts(config: ModelConfig, prompts: Sequence[Sequence[int]],
-                  max_new_tokens: int | Sequence[int]) -> list[int]:
+                  max_new_tokens: int | Sequence[int], names: Sequence[str] | None = None) -> list[int]:
     """Each row's max_new_tokens, after checking that the prompts are non-empty token ids of the
     target's vocabulary and fit its positions with their new tokens (ValueError naming the
-    prompt); needs only the target's config, so a CLI can check before loading weights."""
+    prompt: as ``names`` has it, else ``prompt i``); needs only the target's config, so a CLI can
+    check before loading weights."""
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
+    names = names or [f"prompt {i}" for i in range(len(prompts))]
     vocab, limit = config.vocab_size, config.max_position_embeddings
     max_new = _integers(_per_sequence(max_new_tokens, len(prompts), "max_new_tokens"), "max_new_tokens")
     if min(max_new) < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    for i, (prompt, m) in enumerate(zip(prompts, max_new)):
+    for name, prompt, m in zip(names, prompts, max_new, strict=True):
         if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        ids = _integers(prompt, f"prompt {i}")
+            raise ValueError(f"{name} is empty")
+        ids = _integers(prompt, name)
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab})")
         n = len(prompt)
         if n + m > limit:
             fits = f"at most {limit - n} new tokens fit after it" if n < limit else "the prompt alone is too long"
-            raise ValueError(f"prompt {i} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
+            raise ValueError(f"{name} has {n} tokens: with max_new_tokens {m} it needs {n + m} positions, "
                              f"more than the target's max_position_embeddings {limit} ({fits})")
     return max_new
-
-
-def check_page_size(config: ModelConfig, page_size: int) -> None:
-    """ValueError for a page larger than the model's positions: every prompt is padded to whole
-    pages, so such a page only costs memory and prefill time."""
-    if page_size > config.max_position_embeddings:
-        raise ValueError(f"page_size {page_size} exceeds the target's max_position_embeddings "
-                         f"{config.max_position_embeddings} (prompts are padded to whole pages)")
 
 
 def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | None = None,
@@ -400,25 +359,25 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     configs = [local.target] + ([local.draft.model] if draft is not None else [])
     check_kernel_shapes(impl, configs, page_size, config.block_size, target.params.embed.dtype.itemsize)
     lens = [len(p) for p in prompts]
-    padded_len = _round_up(_bucket(max(lens)), page_size)
+    padded_len = _round_up(bucket(max(lens)), page_size)
     # Pages for every position a sequence may write: its prompt and its last block. The prefill
     # runs every row padded to the longest prompt; padding positions past a row's pages map to
     # the sentinel page, whose writes are dropped, and their outputs are never read. The pool and
     # the table's width are rounded up (``_bucket``), the table padded with the sentinel page.
     touched = [n + m + config.block_size for n, m in zip(lens, max_new)]
     if num_pages is None:
-        num_pages = _bucket(sum(max(1, -(-t // page_size)) for t in touched))
+        num_pages = bucket(sum(max(1, -(-t // page_size)) for t in touched))
     page_table, num_pages = allocate_pages(touched, page_size, num_pages)
-    width = _bucket(page_table.shape[1])
+    width = bucket(page_table.shape[1])
     page_table = np.pad(page_table, ((0, 0), (0, width - page_table.shape[1])), constant_values=num_pages)
 
     tokens = np.zeros((batch, padded_len), np.int32)
     for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
-    inputs = _replicated((jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
+    inputs = replicated((jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jnp.asarray(max_new, jnp.int32),
                           jnp.asarray(_stop_array(_stop_lists(stop_token_ids, batch, target.config.vocab_size)))),
                          tensor_parallel)
-    max_steps = _bucket(max(max_new))  # buffers; each row stops at its own max_new_tokens
+    max_steps = bucket(max(max_new))  # buffers; each row stops at its own max_new_tokens
     num_steps = chunk_steps or max_steps
     if chunk_steps is not None and chunk_steps < 1:
         raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
@@ -428,16 +387,16 @@ def prepare(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft | 
     # Sized by the draft's trained block, not the run-time one: one prefill serves every block size.
     buffer_len = max_steps + (draft.config.block_size if draft is not None else 1)
     statics = dict(config=config.for_prefill(), buffer_len=buffer_len, max_steps=max_steps)
-    prepared = PreparedGeneration(config, target, draft, inputs, _replicated(sampling.as_arrays(), tensor_parallel),
+    prepared = PreparedGeneration(config, target, draft, inputs, replicated(sampling.as_arrays(), tensor_parallel),
                                   page_table, num_pages, page_size, max_steps, num_steps, None, None, 0.0)
     cache_shape = jax.eval_shape(prepared.new_cache)
     check_cache_fits(cache_shape, tensor_parallel)
     if tensor_parallel is not None:
         cache_shape = _abstract_on_mesh(cache_shape, cache_specs(cache_shape, tensor_parallel), tensor_parallel)
     args = (target.params, prepared._draft_params, *inputs, cache_shape,
-            _replicated(jax.random.key(0), tensor_parallel), prepared.sampling)
+            replicated(jax.random.key(0), tensor_parallel), prepared.sampling)
     start = time.perf_counter()
-    _zeroed_cache.lower(*prepared._cache_args()).compile()  # jit's cache keeps it for new_cache
+    zeroed_cache.lower(*prepared._cache_args()).compile()  # jit's cache keeps it for new_cache
     prepared.prefill_fn = prefill.lower(*args, **statics).compile()
     state_shape = jax.eval_shape(lambda *a: prefill(*a, **statics), *args)
     alpha = jax.ShapeDtypeStruct((), jnp.float32) if accept_replay else None
@@ -483,35 +442,36 @@ DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
-def _read_prompts(args) -> list[str | list[dict]]:
-    """--prompt (a default when neither is given), or the prompts of --batch-file."""
+def _read_prompts(args) -> dict[str, str | list[dict]]:
+    """--prompt (a default when neither is given), or the prompts of --batch-file, by how output
+    and errors cite them: ``--prompt``, or the file and line (``prompts.txt:3``)."""
     if not args.batch_file:
         if args.prompt == "":
             raise ValueError("--prompt is empty")
-        return [DEFAULT_PROMPT if args.prompt is None else args.prompt]
+        return {"--prompt": DEFAULT_PROMPT if args.prompt is None else args.prompt}
     if args.prompt is not None:
         raise ValueError("give --prompt or --batch-file, not both")
-    return read_prompt_file(args.batch_file, "--batch-file")
+    stdin = args.batch_file == "-"
+    prompts = read_prompt_file("/dev/stdin" if stdin else args.batch_file, "--batch-file")
+    return {f"{'stdin' if stdin else args.batch_file}:{line}": prompt for line, prompt in prompts.items()}
 
 
-def check_cache_fits(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> None:
-    """ValueError when the paged KV cache (its shapes: target and draft layers; split over the
-    mesh of ``tensor_parallel``, its split pools a share per device) would not fit in the device
-    memory left beside what is already there (the weights), as far as the device reports it (GPUs
-    do; CPUs report nothing)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if not stats.get("bytes_limit"):
-        return
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    shares = [1] * len(jax.tree.leaves(cache)) if tensor_parallel is None else [
-        tensor_parallel.size if spec != P() else 1
-        for spec in jax.tree.leaves(cache_specs(cache, tensor_parallel), is_leaf=lambda x: isinstance(x, P))]
-    needed = sum(x.size * x.dtype.itemsize // share for x, share in zip(jax.tree.leaves(cache), shares, strict=True))
-    if needed > free:
-        raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
-                         "slots: each sequence's prompt + max_new_tokens + a block) and the device has "
-                         f"{free / 2**30:.2f} GiB free beside the weights: use fewer prompts per batch or a "
-                         "smaller max_new_tokens")
+def _open_jsonl(path: str | None):
+    """--output-jsonl's stream: None, standard output for "-", else the file (created or emptied)."""
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdout
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"--output-jsonl {path}: {error.strerror}") from error
+
+
+def _as_given(prompt: str | list[dict]) -> str:
+    """A prompt as its user gave it, never rendered through the chat template: its text, or a
+    chat's messages as JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
 
 
 def check_seed(seed) -> None:
@@ -579,27 +539,43 @@ def _print_stats(label: str, result: GenerationResult, with_draft: bool) -> None
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.generate", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.generate", description=__doc__.strip().splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--target", help="HF folder of a supported target (Qwen3, LLaMA, Qwen3-MoE) or a folder made by "
-                   "checkpoints_convert")
-    p.add_argument("--draft", help="DFlash draft folder (z-lab or speculators format, or converted)")
+                   "checkpoints_convert (default: the embedded default model, run with its draft and --baseline)")
+    p.add_argument("--draft", help="DFlash draft folder (z-lab or speculators format, or converted) (default: none, "
+                   "plain decoding; without --target, the embedded model's draft)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (baseline)")
     p.add_argument("--baseline", action="store_true", help="also run without the draft and compare")
-    p.add_argument("--prompt", help=f"prompt text (default {DEFAULT_PROMPT!r})")
-    p.add_argument("--batch-file", help="one prompt per line (.txt), or per line an object with a "
-                                        "\"prompt\" string or a \"messages\" chat (.jsonl)")
+    p.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r} when there is no --batch-file)")
+    p.add_argument("--batch-file", help="one prompt per line (.txt; blank lines are skipped, and output and errors "
+                                        "cite each prompt by its line), or per line an object with a \"prompt\" "
+                                        "string or a \"messages\" chat (.jsonl); - reads lines of text from standard "
+                                        "input. Answers print as they finish (default: none, the one --prompt)")
+    p.add_argument("--output-jsonl", metavar="FILE",
+                   help="write one JSON object per prompt as it finishes (index, prompt_name, prompt, text, "
+                        "token_ids, finish_reason, accept_lengths, tau); - writes them to standard output instead "
+                        "of the answers (default: not written)")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=16,
+                   help="prompts decoded together; the others wait and join as earlier ones finish (continuous "
+                        "batching: the KV pages for this many at a time)")
     add_chat_arguments(p, "render the prompts with the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--block-size", type=int, help="speculation block (<= the draft's trained size)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--completion-only", action="store_true",
+                   help="print only the generated text, not the prompt before it (batches: not the === line)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the most likely tokens whose probabilities reach this sum (1: all tokens)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from this many most likely tokens (0: all tokens)")
+    p.add_argument("--block-size", type=int, help="speculation block, 2 .. the draft's trained size (default: the "
+                   "draft's trained size)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="float dtype of the weights and the KV cache (on a CPU, float32 runs 2-3x faster)")
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "interpret"],
                    help="auto: on an NVIDIA GPU of compute capability >= 8.0 the attention kernels and the "
                         "norm/RoPE kernels that write KV pages, XLA for the rest; references elsewhere. pallas: "
                         "every kernel; interpret: the kernels in Pallas interpret mode (slow; for checking)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged KV cache")
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor parallelism: split the target (and the draft) over this many devices; each "
                         "device reads only its slices of the checkpoint. With several processes (hosts): "
@@ -618,7 +594,7 @@ def _parser() -> argparse.ArgumentParser:
                         "--chunk-steps; default: the largest of 4, 2, 1 that does)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed in [0, 2**32): the same seed repeats a run's samples")
-    p.add_argument("--stats-json", help="write the statistics here")
+    p.add_argument("--stats-json", help="write the statistics here as JSON (default: not written; stderr has them)")
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     distributed.add_arguments(p)
     return p
@@ -717,9 +693,12 @@ def _generate(args, processes: distributed.Processes | None) -> int:
                                      f"trained block size), got {args.block_size}")
             tokenizer = Tokenizer(target_dir)
             stop_ids = in_vocabulary(tokenizer.stop_token_ids, target_config.vocab_size, f"{target_dir}: ")
-            texts = render_prompts(tokenizer, _read_prompts(args), **chat_options(args), flag="--batch-file")
+            given = _read_prompts(args)
+            jsonl = _open_jsonl(args.output_jsonl) if leader else None
+            texts = render_prompts(tokenizer, list(given.values()), **chat_options(args), flag="--batch-file")
             prompts = [tokenizer.encode(t) for t in texts]
-            check_prompts(target_config, prompts, args.max_new_tokens)  # what prepare checks, before the weights
+            # what prepare checks, before the weights
+            check_prompts(target_config, prompts, args.max_new_tokens, names=list(given))
             block = (args.block_size or draft_config.block_size) if draft_dir else 1
             tensor_parallel = None
             local_configs = [target_config] + ([draft_config.model] if draft_dir else [])
@@ -743,47 +722,84 @@ def _generate(args, processes: distributed.Processes | None) -> int:
               + (f"{args.tp} x " if args.tp > 1 else "") + f"{jax.local_devices()[0].device_kind}"
               + (f" over {jax.process_count()} processes" if jax.process_count() > 1 else "")
               + (" (draft replicated)" if args.replicate_draft else ""), file=sys.stderr)
+        if args.dtype == "bfloat16" and jax.default_backend() == "cpu":
+            print("hint: on a CPU, bfloat16 runs 2-3x slower than float32: pass --dtype float32 for speed",
+                  file=sys.stderr)
+
+    names, given_prompts = list(given), list(given.values())
 
     @_out_of_memory_as_error()
-    def run(use_draft: Draft | None, stream: bool) -> GenerationResult:
-        # Prepared (checked and compiled) before the prompt is echoed, so a bad setting is one
-        # error line, not a half-printed answer.
+    def run(use_draft: Draft | None, stream: bool, report: bool) -> GenerationResult:
+        """Every prompt through one engine (continuous batching over --max-num-seqs slots): a
+        single prompt streams its text; a batch prints each answer as it finishes (and writes
+        it to --output-jsonl), with a progress bar."""
+        longest = max(len(p) for p in prompts)
         with distributed.stop_together():  # its memory check is each device's own
-            prepared = prepare(target, prompts, draft=use_draft, max_new_tokens=args.max_new_tokens,
-                               sampling=sampling, stop_token_ids=stop_ids,
-                               block_size=args.block_size if use_draft else None, page_size=args.page_size,
-                               impl=args.impl, chunk_steps=args.chunk_steps, steps_per_check=args.steps_per_check)
-        printer = TextStream(tokenizer)
-        if stream:
-            print(texts[0], end="", flush=True)
-        # A Ctrl-C while decoding takes effect between chunks: raised anywhere else it can be
-        # swallowed (a callback inside jax ignores it) or leave device work in flight.
-        with deferred_interrupts("stopping after this chunk") as interrupted:
-            def on_chunk(tokens: list[list[int]]) -> None:
-                if stream:
-                    print(printer.update(tokens[0]), end="", flush=True)
+            engine = Engine(target, use_draft, tokenizer, max_num_seqs=min(args.max_num_seqs, len(prompts)),
+                            max_model_len=longest + args.max_new_tokens, page_size=args.page_size,
+                            block_size=args.block_size if use_draft else None, chunk_steps=args.chunk_steps,
+                            steps_per_check=args.steps_per_check, impl=args.impl, stop_token_ids=stop_ids,
+                            top_k_cap=max(args.top_k, 1), seed=args.seed)
+        if stream and not args.completion_only:  # a chat's answer is a turn of its own: it starts a line
+            print(_as_given(given_prompts[0]) + ("\n" if args.chat else ""), end="", flush=True)
+        progress = tqdm(total=len(prompts), unit="prompt", file=sys.stderr, disable=not report or stream,
+                        dynamic_ncols=True)
+        start = time.monotonic()
+
+        def on_output(index: int, output: RequestOutput) -> None:
+            if stream:
+                print(output.text, end="\n" if output.finished else "", flush=True)
+            if not output.finished:
+                return
+            request = requests[index]
+            if report and not stream:
+                header = "" if args.completion_only else \
+                    f"=== {names[index]} {json.dumps(given_prompts[index], ensure_ascii=False)}\n"
+                if jsonl is not sys.stdout:
+                    print(f"{header}{request.text}\n", flush=True)
+                progress.update()
+                progress.set_postfix_str(f"{engine.stats.generation_tokens / (time.monotonic() - start):.1f} tok/s")
+            if report and jsonl is not None:
+                steps = request.accept_lengths
+                jsonl.write(json.dumps({"index": index, "prompt_name": names[index], "prompt": given_prompts[index],
+                                        "text": request.text, "token_ids": request.token_ids,
+                                        "finish_reason": output.finish_reason, "accept_lengths": steps,
+                                        "tau": sum(steps) / len(steps) if steps else None},
+                                       ensure_ascii=False) + "\n")
+                jsonl.flush()
+
+        params = [RequestParams(max_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, sample_index=i)
+                  for i in range(len(prompts))]
+        # A Ctrl-C takes effect between engine steps: raised anywhere else it can be swallowed (a
+        # callback inside jax ignores it) or leave device work in flight.
+        with deferred_interrupts("stopping after this step") as interrupted:
+            requests = [engine.submit(p, q, on_output=functools.partial(on_output, i))
+                        for i, (p, q) in enumerate(zip(prompts, params))]
+            while engine.step():
                 if interrupted():
                     raise KeyboardInterrupt
-
-            result = prepared.run(args.seed, on_chunk=on_chunk)
-        if stream:
-            print(printer.update(result.tokens[0], final=True), flush=True)
-        return result
+        end = time.monotonic()
+        progress.close()
+        first = min(r.first_token_time for r in requests)
+        stats = GenerationStats(accept_lengths=[r.accept_lengths for r in requests],
+                                new_tokens=[len(r.token_ids) for r in requests], block_size=engine.config.block_size,
+                                compile_seconds=compile_seconds(start, end),
+                                prefill_seconds=first - start - compile_seconds(start, first),
+                                decode_seconds=end - first - compile_seconds(first, end),
+                                finish_reasons=[r.finish_reason for r in requests])
+        return GenerationResult(tokens=[r.token_ids for r in requests], stats=stats)
 
     try:
-        result = run(draft, streaming and leader)
+        result = run(draft, streaming and leader, leader)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if leader:
-        if not streaming:
-            for text, tokens in zip(texts, result.tokens):
-                print(f"=== {text!r}\n{tokenizer.decode(tokens)}\n")
         _print_stats("dflash" if draft else "plain", result, draft is not None)
     summary = {"dflash" if draft else "plain": result.stats.summary()}
     if draft is not None and args.baseline:
         try:
-            base = run(None, False)
+            base = run(None, False, False)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -792,6 +808,8 @@ def _generate(args, processes: distributed.Processes | None) -> int:
             _print_comparison(result, base, sampling, args.dtype)
         summary["plain"] = base.stats.summary()
         summary["speedup"] = result.stats.speedup_over(base.stats)
+    if jsonl not in (None, sys.stdout):
+        jsonl.close()
     if args.stats_json and leader:
         try:
             Path(args.stats_json).write_text(json.dumps(summary, indent=2, allow_nan=False))

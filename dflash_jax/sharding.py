@@ -299,3 +299,22 @@ def cache_specs(cache, tensor_parallel: TensorParallel):
 def named(tree, mesh: Mesh):
     """NamedShardings of a PartitionSpec tree."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(tree, tensor_parallel: TensorParallel | None):
+    """Inputs of a split program: a copy on every device of the mesh (as they are on one device).
+    Each process fills its own devices from its host copy (a mesh may span several processes,
+    whose devices no other process can write); an array already replicated is passed as is."""
+    if tensor_parallel is None:
+        return tree
+    sharding = NamedSharding(tensor_parallel.mesh, P())
+
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda _: host)
+
+    return jax.tree.map(put, tree)

@@ -70,6 +70,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (how log-probabilities name tokens)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     @property
     def chat_template(self) -> str | None:
         """chat_template.jinja (where newer transformers save it), else tokenizer_config.json's,
@@ -138,10 +142,11 @@ def check_messages(messages) -> None:
                              f"got {str(message)[:60]}")
 
 
-def read_prompt_file(path: str | Path, flag: str) -> list[str | list[dict]]:
-    """The prompts of a file given as ``flag``: its non-blank lines (.txt), or per line an object
-    with a "prompt" string or a "messages" chat (.jsonl). UTF-8, a byte-order mark dropped. A
-    pipe is read as a file is (``/dev/stdin``, a shell's ``<(...)``), as lines of text."""
+def read_prompt_file(path: str | Path, flag: str) -> dict[int, str | list[dict]]:
+    """The prompts of a file given as ``flag`` by their line numbers (from 1): its non-blank lines
+    (.txt), or per line an object with a "prompt" string or a "messages" chat (.jsonl); a warning
+    names the blank lines skipped. UTF-8, a byte-order mark dropped. A pipe is read as a file is
+    (``/dev/stdin``, a shell's ``<(...)``), as lines of text."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{flag} {path} is a folder: give a .txt or .jsonl file")
@@ -157,12 +162,18 @@ def read_prompt_file(path: str | Path, flag: str) -> list[str | list[dict]]:
     # Lines end at "\n", "\r\n" or "\r" (read_text's newline translation), not at form feeds,
     # U+2028 and the like, where str.splitlines would also split: prompts and JSON strings may
     # hold them.
-    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    numbered = dict(enumerate(text.removesuffix("\n").split("\n"), 1))
+    lines = {number: line for number, line in numbered.items() if line.strip()}
+    blank = sorted(numbered.keys() - lines.keys())
     if not lines:
         raise ValueError(f"{flag} {path} holds no prompts")
+    if blank:
+        more = f" and {len(blank) - 10} more" if len(blank) > 10 else ""
+        warnings.warn(f"{flag} {path}: blank line(s) {', '.join(map(str, blank[:10]))}{more} skipped "
+                      "(the prompts keep their line numbers)", stacklevel=2)
     if path.suffix.lower() != ".jsonl":
-        return [line for _, line in lines]
-    return [_jsonl_prompt(line, f"{path}:{number}") for number, line in lines]
+        return lines
+    return {number: _jsonl_prompt(line, f"{path}:{number}") for number, line in lines.items()}
 
 
 def _jsonl_prompt(line: str, where: str) -> str | list[dict]:
@@ -188,7 +199,8 @@ def add_chat_arguments(parser, chat_help: str) -> None:
     """--chat (described by ``chat_help``), --system and --no-thinking, as generate and
     train_draft take them; ``chat_options`` reads them back."""
     parser.add_argument("--chat", action="store_true", help=chat_help)
-    parser.add_argument("--system", help="--chat: a system message before each text prompt")
+    parser.add_argument("--system", help="--chat: a system message before each text prompt (default: no system "
+                        "message)")
     parser.add_argument("--no-thinking", action="store_true",
                         help="--chat: pass enable_thinking=false to the template (Qwen3: answer without a "
                              "thinking section)")

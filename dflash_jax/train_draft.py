@@ -649,15 +649,16 @@ def _file_prompts(args) -> list[list[int]]:
     prompts = read_prompt_file(args.prompts, "--prompts")
     if len(prompts) < args.regenerate:
         raise ValueError(f"--regenerate {args.regenerate}, but --prompts {args.prompts} holds {len(prompts)} prompts")
-    texts = render_prompts(tokenizer, prompts[:args.regenerate], **chat_options(args), flag="--prompts")
+    lines = list(prompts)[:args.regenerate]
+    texts = render_prompts(tokenizer, [prompts[line] for line in lines], **chat_options(args), flag="--prompts")
     encoded = [tokenizer.encode(text) for text in texts]
     too_long = [i for i, p in enumerate(encoded) if len(p) > args.seq_len - 2]
     if too_long:
-        raise ValueError(f"{len(too_long)} of the {len(encoded)} prompts of --prompts (the first: number "
-                         f"{too_long[0] + 1}, {len(encoded[too_long[0]])} tokens) leave less than two tokens of "
+        raise ValueError(f"{len(too_long)} of the {len(encoded)} prompts of --prompts (the first: line "
+                         f"{lines[too_long[0]]}, {len(encoded[too_long[0]])} tokens) leave less than two tokens of "
                          f"--seq-len {args.seq_len} for the response: raise --seq-len or shorten them")
     if any(not p for p in encoded):
-        raise ValueError(f"--prompts: prompt number {[len(p) for p in encoded].index(0) + 1} encodes to no tokens")
+        raise ValueError(f"--prompts {args.prompts}:{lines[[len(p) for p in encoded].index(0)]} encodes to no tokens")
     return encoded
 
 

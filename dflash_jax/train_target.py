@@ -202,13 +202,13 @@ def claim_run_folders(ckpt_dir: Path, out_dir: Path, run: dict, *, resume: bool,
                              "(the learning-rate schedule is laid out over its --steps): pass the values it "
                              "was started with, or start a new run in another --ckpt-dir")
     own_output = stored_out is not None and Path(stored_out).resolve() == out_dir.resolve()
+    check_replaceable(out_dir, overwrite=True)  # the export at the end replaces only a model folder
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not (overwrite or own_output):
         why = ("this run does not continue one from its checkpoints" if not steps else
                f"the run in {ckpt_dir} writes {stored_out}" if stored_out else
                f"{ckpt_dir / RUN_FILE} does not record which --out its run writes")
         raise FileExistsError(f"{out_dir} already exists and is not empty ({why}): pass --overwrite to replace "
                               "it, or choose another --out")
-    check_replaceable(out_dir, overwrite=True)  # the export at the end replaces only a model folder
     check_writable(out_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     write_json(ckpt_dir / RUN_FILE, {**run, "out": str(out_dir.absolute())})

@@ -449,6 +449,29 @@ def write_tokenizer(folder: Path) -> int:
     return tokenizer.get_vocab_size()
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+
+
+def write_chat_tokenizer(folder: Path) -> int:
+    """write_tokenizer's BPE plus chat special tokens and a ChatML template (``CHAT_TEMPLATE``,
+    with Qwen3's enable_thinking switch); returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                   "<|im_end|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
+    return tok.get_vocab_size()
+
+
 def target_folder(directory: Path, *, dtype: str = "float32", seed: int = 0, max_shard_size=None,
                   **config) -> torch.nn.Module:
     """Save a random transformers Qwen3ForCausalLM (plus stand-in tokenizer files) and return it."""

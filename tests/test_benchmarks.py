@@ -20,6 +20,7 @@ import ab_kernels  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_matmul  # noqa: E402
 import bench_moe  # noqa: E402
+import bench_serving  # noqa: E402
 import profile_step  # noqa: E402
 
 
@@ -392,3 +393,23 @@ def test_bench_moe_times_every_method_against_the_routed_bytes(tmp_path, capsys)
         assert math.isclose(cell["fraction_of_floor"], cell["floor_us"] / cell["us"])
     assert report["expert_bytes"] == 3 * 64 * 32 * 2
     assert "tokens  method" in capsys.readouterr().out
+
+
+def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, capsys):
+    """The serving benchmark at the tiny shape: per concurrency a baseline and a DFlash row
+    (replayed acceptance: tau near its expectation), each beside the offline engine's tok/s; the
+    soak ends with no page in use."""
+    assert bench_serving.main(["--shape", "tiny", "--concurrency", "1,3", "--rounds", "2", "--prompt-len", "12",
+                               "--max-tokens", "10", "--soak-seconds", "1", "--soak-concurrency", "3",
+                               "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    assert [(r["concurrency"], r["mode"]) for r in report["rows"]] == [(1, "baseline"), (1, "dflash"),
+                                                                      (3, "baseline"), (3, "dflash")]
+    for row in report["rows"]:
+        assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == 10 * row["requests"]
+        assert row["offline_tok_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert (row["tau"] is None) == (row["mode"] == "baseline")
+        if row["tau"] is not None:
+            assert 1 < row["tau"] <= 10
+    assert report["soak"]["after"]["pages_in_use"] == 0 and report["soak"]["requests"] > 0
+    assert "soak 1 s at c=3" in capsys.readouterr().out

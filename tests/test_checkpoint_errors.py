@@ -223,13 +223,46 @@ def test_missing_source(tmp_path):
 
 
 def test_existing_output_is_refused_before_any_work(target, monkeypatch):
+    """The refusal suggests --overwrite only where --overwrite would replace the folder."""
     out = target.parent / "out"
     out.mkdir()
     (out / "keep").write_text("mine")
     monkeypatch.setattr(checkpoint, "load_hf_target", lambda *a, **k: pytest.fail("work started"))
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError) as refused:
         convert(target, out, progress=False)
+    assert str(refused.value) == (f"{out} already exists and is not a model folder (with a config.json) or an "
+                                  "empty folder: refusing to replace it, even with --overwrite / overwrite=True; "
+                                  "choose another output folder")
     assert _only(out) == ["keep"]
+    (out / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError) as refused:
+        convert(target, out, progress=False)
+    assert str(refused.value) == f"{out} already exists (use --overwrite / overwrite=True to replace it)"
+    assert _only(out) == ["config.json", "keep"]
+
+
+def test_read_only_destination_is_named(target, capsys):
+    """A destination in a folder that takes no new entries: the error names the destination given
+    and the folder that refused, not the hidden folder the conversion writes first."""
+    import os
+
+    from checkpoints_convert.__main__ import main
+
+    parent = target.parent / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        if os.access(parent, os.W_OK):
+            pytest.skip("chmod does not stop this user's writes (root)")
+        for out in (parent / "out", parent / "missing" / "out"):
+            with pytest.raises(PermissionError) as refused:
+                convert(target, out, progress=False)
+            assert str(refused.value) == f"cannot write {out}: Permission denied (in {parent})"
+        assert main([str(target), str(parent / "out"), "--quiet"]) == 2
+        assert capsys.readouterr().err == f"error: cannot write {parent / 'out'}: Permission denied (in {parent})\n"
+        assert _only(parent) == []
+    finally:
+        parent.chmod(0o755)
 
 
 def test_overwrite_replaces_only_a_model_or_empty_folder(target):

@@ -4,41 +4,23 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 import torch
+from builders import CHAT_TEMPLATE, write_chat_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
-
-
-def _write_tokenizer(folder):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                   "<|im_end|>", "<|mask|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 20, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
-    return tok.get_vocab_size()
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
-    vocab = _write_tokenizer(target_dir)
+    vocab = write_chat_tokenizer(target_dir)
     torch.manual_seed(0)
     shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8)
@@ -77,7 +59,10 @@ def test_cli_streams_dflash_and_matches_baseline(model_dirs, tmp_path):
 
 
 def test_cli_batch_file_and_chat(model_dirs, tmp_path):
-    """A .jsonl of a text prompt (one user turn after --system) and a several-turn chat, under --chat."""
+    """A .jsonl of a text prompt (one user turn after --system) and a several-turn chat, under --chat:
+    rendered through the template, and printed as given."""
+    from dflash_jax.tokenizer import Tokenizer, render_prompts
+
     target_dir, _ = model_dirs
     prompts = tmp_path / "prompts.jsonl"
     turns = [{"role": "user", "content": "def a"}, {"role": "assistant", "content": "ok"},
@@ -86,9 +71,13 @@ def test_cli_batch_file_and_chat(model_dirs, tmp_path):
     run = _cli("--target", target_dir, "--batch-file", prompts, "--chat", "--system", "be brief",
                "--no-thinking", "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 20)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.count("=== ") == 2 and run.stdout.count("<|im_start|>user") == 3
-    assert run.stdout.count("<|im_start|>system\\nbe brief") == 1  # only before the text prompt
-    assert run.stdout.count("<|im_start|>assistant\\nok") == 1 and run.stdout.count("<think>") == 2
+    assert run.stdout.startswith(f'=== {prompts}:1 "def a"\n')
+    assert f"\n=== {prompts}:2 {json.dumps(turns)}\n" in run.stdout and "<|im_start|>" not in run.stdout
+    rendered = "".join(render_prompts(Tokenizer(target_dir), ["def a", turns], chat=True, system="be brief",
+                                      enable_thinking=False, flag="--batch-file"))
+    assert rendered.count("<|im_start|>user") == 3
+    assert rendered.count("<|im_start|>system\nbe brief") == 1  # only before the text prompt
+    assert rendered.count("<|im_start|>assistant\nok") == 1 and rendered.count("<think>") == 2
 
 
 @pytest.mark.parametrize("args, message", [
@@ -120,21 +109,16 @@ def test_cli_without_model_explains_what_to_pass(monkeypatch):
 
 def test_cli_baseline_names_the_first_difference(model_dirs, monkeypatch, capsys):
     """When the --baseline outputs differ, the CLI says where, and why bf16 can flip a near-tie."""
-    import dataclasses
-
     from dflash_jax import generate
 
-    original = generate.PreparedGeneration.run
+    class PlainDiffers(generate.Engine):  # the plain run's third new token changed
+        def _emit(self, request, new, steps, reason):
+            at = 2 - len(request.token_ids)
+            if self.draft is None and 0 <= at < len(new):
+                new = [*new[:at], new[at] ^ 1, *new[at + 1:]]
+            super()._emit(request, new, steps, reason)
 
-    def plain_differs(self, *args, **kwargs):  # the plain run's third new token changed
-        result = original(self, *args, **kwargs)
-        if self.draft is not None:
-            return result
-        tokens = [list(t) for t in result.tokens]
-        tokens[0][2] ^= 1
-        return dataclasses.replace(result, tokens=tokens)
-
-    monkeypatch.setattr(generate.PreparedGeneration, "run", plain_differs)
+    monkeypatch.setattr(generate, "Engine", PlainDiffers)
     target_dir, draft_dir = model_dirs
     assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "6",
                           "--baseline", "--impl", "reference"]) == 0
@@ -289,14 +273,7 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     tokenizer = Tokenizer(target_dir)
     tokens = tokenizer.encode(" = '日本")[:-1]
 
-    def run_cut(prepared, seed=0, *, on_chunk, replay_alpha=None):
-        on_chunk([tokens[:2]])
-        on_chunk([tokens])
-        stats = generate.GenerationStats(accept_lengths=[[]], new_tokens=[len(tokens)], block_size=1,
-                                         compile_seconds=0.0, prefill_seconds=0.0, decode_seconds=1.0)
-        return generate.GenerationResult([tokens], stats)
-
-    monkeypatch.setattr(generate.PreparedGeneration, "run", run_cut)
+    monkeypatch.setattr(generate, "Engine", _canned_engine([tokens[:2], tokens[2:]]))
     assert generate.main(["--target", str(target_dir), "--prompt", "x", "--dtype", "float32",
                           "--impl", "reference"]) == 0
     assert capsys.readouterr().out == "x" + tokenizer.decode(tokens) + "\n"
@@ -376,7 +353,7 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     monkeypatch.setattr(Path, "write_text", write_text)
     assert generate.main(base + ["--stats-json", str(tmp_path / "stats.json")]) == 1
     assert capsys.readouterr().err.endswith("error: --stats-json: disk full\n")
-    monkeypatch.setattr(generate, "prepare", interrupt)
+    monkeypatch.setattr(generate, "Engine", interrupt)
     with pytest.raises(SystemExit) as stop:
         generate.main(base)
     assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
@@ -394,10 +371,10 @@ def test_a_second_run_loads_the_programs_the_first_compiled(model_dirs, tmp_path
     first = _cli(*args, XDG_CACHE_HOME=home, **keep_all)
     assert first.returncode == 0, first.stderr
     kept = {path.name.split("-")[0] for path in (home / "dflash_jax" / "xla").iterdir()}
-    assert {"jit_prefill", "jit_decode_chunk"} <= kept
+    assert {"jit_prefill_slots", "jit_engine_chunk"} <= kept
     second = _cli(*args, XDG_CACHE_HOME=home, JAX_LOG_COMPILES=1, **keep_all)  # logs each cache hit
     assert second.returncode == 0, second.stderr
-    for name in ("jit_prefill", "jit_decode_chunk"):
+    for name in ("jit_prefill_slots", "jit_engine_chunk"):
         assert f"Persistent compilation cache hit for '{name}'" in second.stderr
     assert second.stdout == first.stdout
 
@@ -505,7 +482,8 @@ def test_batch_file_may_be_a_pipe(tmp_path):
     # a daemon: were the pipe refused, the writer would wait for a reader for ever
     writer = threading.Thread(target=pipe.write_text, args=("def g():\n\nclass A:\n",), daemon=True)
     writer.start()
-    assert read_prompt_file(pipe, "--batch-file") == ["def g():", "class A:"]
+    with pytest.warns(UserWarning, match=r"blank line\(s\) 2 skipped"):
+        assert read_prompt_file(pipe, "--batch-file") == {1: "def g():", 3: "class A:"}
     writer.join()
 
 
@@ -517,11 +495,12 @@ def test_batch_file_lines_end_at_newlines_only(tmp_path):
 
     text = tmp_path / "prompts.txt"
     text.write_bytes("x = 1  # page\x0cy = 2\r\nsecond\u2028line\n\nthird\n".encode())
-    assert _read_prompts(argparse.Namespace(batch_file=str(text), prompt=None)) == [
-        "x = 1  # page\x0cy = 2", "second\u2028line", "third"]
+    with pytest.warns(UserWarning, match=r"blank line\(s\) 3 skipped"):
+        assert _read_prompts(argparse.Namespace(batch_file=str(text), prompt=None)) == {
+            f"{text}:1": "x = 1  # page\x0cy = 2", f"{text}:2": "second\u2028line", f"{text}:4": "third"}
     records = tmp_path / "prompts.jsonl"
     records.write_text(json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
-    assert _read_prompts(argparse.Namespace(batch_file=str(records), prompt=None)) == ["a\u2028b"]
+    assert _read_prompts(argparse.Namespace(batch_file=str(records), prompt=None)) == {f"{records}:1": "a\u2028b"}
 
 
 def test_batch_file_byte_order_mark_json_encoding_and_folder(tmp_path):
@@ -530,7 +509,7 @@ def test_batch_file_byte_order_mark_json_encoding_and_folder(tmp_path):
     from dflash_jax.generate import _read_prompts
 
     def read(path):
-        return _read_prompts(argparse.Namespace(batch_file=str(path), prompt=None))
+        return list(_read_prompts(argparse.Namespace(batch_file=str(path), prompt=None)).values())
 
     (tmp_path / "bom.txt").write_bytes("\ufeffHello\nWorld\n".encode())
     assert read(tmp_path / "bom.txt") == ["Hello", "World"]
@@ -646,3 +625,159 @@ def test_cli_draft_without_target_names_the_embedded_target(model_dirs, capsys):
     assert generate.main(["--draft", str(model_dirs[1])]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no --target was given, so the target is the embedded default" in err
+
+
+def test_cli_help_describes_every_flag_and_its_default(monkeypatch):
+    """Each flag of --help has a description; each that takes a value names its default, as a value
+    or as what leaving the flag out means (never a bare None)."""
+    from dflash_jax import generate
+
+    monkeypatch.setenv("COLUMNS", "100")
+    parser = generate._parser()
+    text = parser.format_help()
+    described, flag = {}, None  # flag -> its help text, from the lines that describe it
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, description = line.strip().partition("  ")
+            flag = invocation.split()[0].rstrip(",")
+            described[flag] = description.strip()
+        elif line.startswith("    ") and flag:
+            described[flag] += " " + line.strip()
+        else:
+            flag = None
+    assert "default: None" not in text
+    options = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert len(options) > 20 and sorted(described) == sorted(["-h"] + [a.option_strings[0] for a in options])
+    for action in options:
+        help_text = described[action.option_strings[0]]
+        assert help_text, action.option_strings
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in help_text, help_text
+        elif action.nargs != 0:  # takes a value: says what its absence means
+            assert "default: " in help_text, help_text
+
+
+def _canned_engine(pieces: list[list[int]]):
+    """An Engine class that answers every request with these pieces of tokens, through the real
+    engine's text handling, without running the models (nothing compiles beyond its empty cache)."""
+    from dflash_jax.engine import Engine
+
+    class Canned(Engine):
+        def step(self):
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), type(self._waiting)()
+            for request in waiting:
+                request.first_token_time = time.monotonic()
+                for index, piece in enumerate(pieces):
+                    self._emit(request, piece, [], "length" if index == len(pieces) - 1 else None)
+            return bool(waiting)
+
+    return Canned
+
+
+@pytest.fixture
+def canned_answer(model_dirs, monkeypatch):
+    """generate.main on the tiny target, every prompt answered " = 1" without compiling: returns
+    (run: argv -> exit status, the answer's text)."""
+    from dflash_jax import generate
+    from dflash_jax.tokenizer import Tokenizer
+
+    tokens = Tokenizer(model_dirs[0]).encode(" = 1")
+    monkeypatch.setattr(generate, "Engine", _canned_engine([tokens]))
+    return (lambda *args: generate.main(["--target", str(model_dirs[0]), "--no-draft", *map(str, args)]),
+            Tokenizer(model_dirs[0]).decode(tokens))
+
+
+def test_cli_prints_the_prompt_as_given_or_only_the_completion(canned_answer, tmp_path, capsys):
+    """The prompt printed before an answer is the user's, never the rendered chat template (under
+    --chat the answer starts a line of its own); --completion-only prints the answers alone."""
+    run, answer = canned_answer
+    assert run("--prompt", "def a", "--dtype", "float32") == 0
+    assert capsys.readouterr().out == f"def a{answer}\n"
+    assert run("--prompt", "def a", "--chat", "--dtype", "float32") == 0
+    assert capsys.readouterr().out == f"def a\n{answer}\n"
+    assert run("--prompt", "def a", "--chat", "--completion-only", "--dtype", "float32") == 0
+    assert capsys.readouterr().out == f"{answer}\n"
+    prompts = tmp_path / "prompts.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "x"}]
+    prompts.write_text(json.dumps({"prompt": "def a"}) + "\n" + json.dumps({"messages": turns}) + "\n")
+    assert run("--batch-file", prompts, "--chat", "--dtype", "float32") == 0
+    assert capsys.readouterr().out == (f'=== {prompts}:1 "def a"\n{answer}\n\n'
+                                       f"=== {prompts}:2 {json.dumps(turns)}\n{answer}\n\n")
+    assert run("--batch-file", prompts, "--chat", "--completion-only", "--dtype", "float32") == 0
+    assert capsys.readouterr().out == f"{answer}\n\n" * 2
+
+
+def test_cli_batch_file_blank_lines_keep_the_line_numbers(canned_answer, tmp_path, capsys):
+    """Blank lines of a text batch file are skipped with a warning naming them; the output and the
+    errors cite each prompt by its line in the file."""
+    run, answer = canned_answer
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def a\n\n  \nclass B\n")
+    with pytest.warns(UserWarning, match=rf"--batch-file {prompts}: blank line\(s\) 2, 3 skipped"):
+        assert run("--batch-file", prompts, "--dtype", "float32") == 0
+    assert capsys.readouterr().out == (f'=== {prompts}:1 "def a"\n{answer}\n\n'
+                                       f'=== {prompts}:4 "class B"\n{answer}\n\n')
+    prompts.write_text("\ndef a\n")  # one prompt: streamed as --prompt is
+    with pytest.warns(UserWarning, match=r"blank line\(s\) 1 skipped"):
+        assert run("--batch-file", prompts, "--max-new-tokens", 10**6) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prompts}:2 has ") and "more than the target's max_position_embeddings" in err
+
+
+def test_cli_hints_at_float32_on_a_cpu(canned_answer, capsys):
+    """bfloat16, the default, runs 2-3x slower than float32 on a CPU: a hint says so (and only then)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the hint is for CPUs")
+    run, _ = canned_answer
+    hint = "hint: on a CPU, bfloat16 runs 2-3x slower than float32: pass --dtype float32 for speed\n"
+    assert run("--prompt", "x") == 0
+    assert hint in capsys.readouterr().err
+    assert run("--prompt", "x", "--dtype", "float32") == 0
+    assert "hint:" not in capsys.readouterr().err
+
+
+def test_cli_batch_of_mixed_lengths_streams_answers_as_they_finish(model_dirs, tmp_path, capsys):
+    """64 prompts of 1 to ~300 tokens through --max-num-seqs 4 slots (continuous batching: the
+    KV pool holds 4 requests, not 64 padded to the longest): every answer equals that prompt run
+    alone, --output-jsonl gets one object per prompt, the progress bar counts them."""
+    from dflash_jax import generate
+    from dflash_jax.models import load_target
+    from dflash_jax.tokenizer import Tokenizer
+
+    target_dir, draft_dir = model_dirs
+    tokenizer = Tokenizer(target_dir)
+    rng = np.random.default_rng(0)
+    words = ["def", "fibonacci", "(n):", "return", "n", "if", "<", "2", "else", "-", "1"]
+    lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 120)))) for _ in range(64)]
+    batch, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--batch-file", str(batch),
+                          "--max-num-seqs", "4", "--max-new-tokens", "6", "--output-jsonl", str(out),
+                          "--dtype", "float32", "--impl", "reference"]) == 0
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(64))
+    assert "64/64" in captured.err and "tok/s" in captured.err
+    target = load_target(target_dir, "float32")
+    for record in records[:5] + records[-3:]:
+        ids = tokenizer.encode(lines[record["index"]])
+        alone = generate.generate(target, [ids], max_new_tokens=6, stop_token_ids=tokenizer.stop_token_ids,
+                                  impl="reference").tokens[0]
+        assert record["token_ids"] == alone and record["text"] == tokenizer.decode(alone)
+        assert record["prompt"] == lines[record["index"]] and record["prompt_name"] == f"{batch}:{record['index'] + 1}"
+        assert record["finish_reason"] in ("stop", "length") and record["tau"] > 0
+        assert f"=== {batch}:{record['index'] + 1} " in captured.out
+
+
+def test_cli_reads_prompts_from_stdin_and_writes_jsonl_to_stdout(model_dirs):
+    run = subprocess.run([sys.executable, "-m", "dflash_jax.generate", "--target", str(model_dirs[0]), "--no-draft",
+                          "--batch-file", "-", "--output-jsonl", "-", "--max-new-tokens", "3", "--dtype", "float32",
+                          "--impl", "reference"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=_cli_env(), input="def fib\n\nreturn n\n")
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert sorted((r["index"], r["prompt_name"], r["prompt"]) for r in records) == [
+        (0, "stdin:1", "def fib"), (1, "stdin:3", "return n")]
+    assert "blank line(s) 2 skipped" in run.stderr

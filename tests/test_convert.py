@@ -61,9 +61,25 @@ def test_target_round_trip_is_bit_exact(tmp_path, src_dtype, out_dtype, tied, sh
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(converted.params))
     marker = json.loads((out / checkpoint.MARKER_FILE).read_text())
     assert marker == {"format_version": checkpoint.FORMAT_VERSION, "kind": "target", "dtype": out_dtype}
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
+    # config.json states the dtype stored, not the source's
+    source_config = json.loads((src / "config.json").read_text())
+    assert source_config["dtype"] == src_dtype
+    assert json.loads((out / "config.json").read_text()) == {**source_config, "dtype": out_dtype,
+                                                             "torch_dtype": out_dtype}
     assert not list(out.glob("*.safetensors"))
+
+
+def test_a_release_s_text_config_states_the_stored_dtype():
+    """A release (Qwen3.5) keeps the decoder's fields, its dtype among them, in text_config."""
+    from checkpoints_convert.convert import _stating_dtype
+
+    release = {"architectures": ["Qwen3_5ForConditionalGeneration"], "torch_dtype": "float32",
+               "text_config": {"dtype": "float32", "hidden_size": 32}, "vision_config": {"depth": 2}}
+    assert _stating_dtype(release, "bfloat16") == {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "torch_dtype": "bfloat16", "dtype": "bfloat16",
+        "text_config": {"dtype": "bfloat16", "hidden_size": 32}, "vision_config": {"depth": 2}}
 
 
 def test_converted_folder_loads_in_another_dtype(tmp_path, capsys):
@@ -242,6 +258,15 @@ def test_cli_converts_and_reports_errors_in_one_line(tmp_path):
     assert failed.returncode == 2  # as generate and the trainers exit on refused input
     assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("error: ") and "already exists" in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+def test_cli_help_is_true_about_interruptions():
+    """--help promises no cleanup after a SIGKILL, which cannot be caught: it says what may remain."""
+    shown = " ".join(_cli("--help").stdout.split())
+    assert "Ctrl-C or SIGTERM exits 130; either way the hidden folder is removed" in shown
+    assert "SIGKILL (kill -9, the out-of-memory killer) cannot be caught: it may leave the hidden folder" in shown
+    assert ".NAME.<8 hex digits>.tmp (NAME: OUT's own name)" in shown and "delete them" in shown
+    assert "nothing is left behind" not in shown and "(default: bfloat16)" in shown
 
 
 def test_package_api():

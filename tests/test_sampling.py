@@ -23,8 +23,8 @@ from scipy import stats
 from builders import make_target, make_zlab_draft, save_draft, save_target
 from dflash_jax.generate import generate
 from dflash_jax.models import load_draft, load_target
-from dflash_jax.sampling import (SamplingConfig, accept_greedy, accept_sampling, choose, sample_probs,
-                                 sampling_probs)
+from dflash_jax.sampling import (SamplingConfig, SamplingRows, accept_greedy, accept_sampling, choose, sample_probs,
+                                 sampling_probs, split_keys)
 
 
 def _reference_probs(logits: np.ndarray, temperature, top_p, top_k) -> np.ndarray:
@@ -468,9 +468,45 @@ def test_sampling_config_derives_its_static_part():
     config = SamplingConfig(temperature=0.7, top_p=0.9, top_k=5)
     assert (config.greedy, config.nucleus) == (False, True)
     leaves, treedef = jax.tree.flatten(config.as_arrays())
-    assert [x.dtype for x in leaves] == [jnp.float32, jnp.float32]
-    assert jax.tree.unflatten(treedef, leaves).top_k == 5
+    assert [x.dtype for x in leaves] == [jnp.float32, jnp.float32, jnp.int32, jnp.float32]
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert (rebuilt.top_k_cap, rebuilt.nucleus, rebuilt.sort_all, rebuilt.greedy) == (5, True, False, False)
     with pytest.raises(ValueError, match="greedy=True contradicts temperature=0.7"):
         SamplingConfig(temperature=0.7, greedy=True)
     with pytest.raises(TypeError, match="give temperature and top_p as numbers"):
         SamplingConfig(temperature=jnp.float32(0.7))
+
+
+def test_rows_of_a_batch_sample_as_each_alone():
+    """Per-row settings (greedy, temperature, top-k, top-p, min-p mixed in one batch) give each
+    row the probabilities its own settings give alone; a greedy row is one-hot at its argmax."""
+    configs = [SamplingConfig(), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=3),
+               SamplingConfig(temperature=1.2, top_p=0.6), SamplingConfig(temperature=0.9, top_k=5, top_p=0.8),
+               SamplingConfig(temperature=1.0, min_p=0.3), SamplingConfig(temperature=1.0, top_k=4, min_p=0.2)]
+    logits = jax.random.normal(jax.random.key(11), (len(configs), 3, 40)) * 3
+    rows = SamplingRows.stack(configs, top_k_cap=8)
+    together = np.asarray(jax.jit(sampling_probs)(logits, rows))
+    for i, config in enumerate(configs):
+        alone = np.asarray(sampling_probs(logits[i], config)) if not config.greedy else \
+            np.asarray(jax.nn.one_hot(jnp.argmax(logits[i], -1), 40))
+        np.testing.assert_allclose(together[i], alone, atol=1e-6, err_msg=str(config))
+    # min-p keeps exactly the tokens at least min_p times as likely as the best
+    plain = np.asarray(sampling_probs(logits[5], SamplingConfig(temperature=1.0)))
+    kept = plain >= 0.3 * plain.max(-1, keepdims=True)
+    np.testing.assert_array_equal(together[5] > 0, kept)
+    np.testing.assert_allclose(together[5], np.where(kept, plain, 0) / np.where(kept, plain, 0).sum(-1, keepdims=True),
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingConfig(temperature=1.0, min_p=1.5)
+
+
+def test_row_keys_draw_each_row_from_its_own_stream():
+    """A batch with a key per row draws row i exactly as row i's key alone would."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(5), (4, 2, 30)), -1)
+    keys = jax.random.split(jax.random.key(9), 4)
+    together = np.asarray(sample_probs(keys, probs))
+    for i in range(4):
+        np.testing.assert_array_equal(together[i], np.asarray(sample_probs(keys[i], probs[i])))
+    first, second = split_keys(keys, 2)
+    assert first.shape == second.shape == (4,)
+    assert not np.array_equal(jax.random.key_data(first), jax.random.key_data(second))

@@ -35,7 +35,8 @@ from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.generate import generate
 from dflash_jax.models import Draft, Target, load_draft, load_target, split_draft, split_target
 from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
-from dflash_jax.sampling import SamplingConfig, accept_sampling, sample_probs, sampling_probs
+from dflash_jax.sampling import (SamplingConfig, SamplingRows, accept_sampling, sample_probs, sampling_probs,
+                                 token_logprobs)
 from dflash_jax.sharding import (TensorParallel, is_layout, local_config, make_mesh, specs, target_layout,
                                  unsharded)
 
@@ -525,3 +526,51 @@ def test_expert_parallelism_is_refused_where_the_experts_do_not_divide(tmp_path)
     assert "num_experts 4 is not divisible by 3" in str(refused.value)
     assert "moe_intermediate_size" not in str(refused.value)
 
+
+
+def test_split_rows_with_mixed_settings_and_logprobs_are_one_devices():
+    """Per-row settings (greedy, top-k, min-p, top-p alone) and the target's log-probabilities on
+    vocabulary columns split 4 ways equal one device's."""
+    configs = [SamplingConfig(), SamplingConfig(temperature=0.9, top_k=5), SamplingConfig(temperature=1.0, min_p=0.2),
+               SamplingConfig(temperature=1.2, top_p=0.7)]
+    rows = SamplingRows.stack(configs, top_k_cap=8)
+    logits = jax.random.normal(jax.random.key(3), (4, 3, 64)) * 3
+    tokens = jax.random.randint(jax.random.key(4), (4, 3), 0, 64)
+
+    def split(logits):
+        return gather_vocab(sampling_probs(logits, rows, "tp"), "tp")
+
+    np.testing.assert_allclose(np.asarray(_on_columns(split, 4, logits)), np.asarray(sampling_probs(logits, rows)),
+                               rtol=1e-5, atol=1e-7)
+    ours = _on_columns(lambda logits, tokens: token_logprobs(logits, tokens, 5, "tp"), 4, logits, tokens,
+                       split_last=(True, False))
+    for split_value, single in zip(ours, token_logprobs(logits, tokens, 5)):
+        np.testing.assert_allclose(np.asarray(split_value), np.asarray(single), rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_split_serves_what_one_device_does(copy_pair):
+    """The serving engine at TP 2 (continuous batching over fewer slots than requests, chunked
+    prefill): greedy rows give one device's tokens; a sampled row's log-probabilities are one
+    device's log-softmax at its tokens (the split draw itself differs from one device's: its
+    noise is drawn per shard, exact in distribution, tested above)."""
+    from dflash_jax.engine import Engine, RequestParams
+
+    params = [RequestParams(max_tokens=DFLASH_NEW) for _ in copy_pair.prompts]
+    sampled = RequestParams(max_tokens=10, sampling=SamplingConfig(temperature=0.9, top_k=5), seed=4, logprobs=2)
+    settings = dict(max_num_seqs=2, max_model_len=96, page_size=8, prefill_chunk=8, chunk_steps=2, impl="reference")
+
+    def run(target, draft):
+        engine = Engine(target, draft, **settings)
+        requests = [engine.submit(p, q) for p, q in zip(copy_pair.prompts + [copy_pair.prompts[0]], params + [sampled])]
+        engine.run_until_done()
+        assert engine.pages_in_use == 0
+        return requests
+
+    split = run(*_load_split(copy_pair, _split(2)))
+    assert [r.token_ids for r in split[:-1]] == copy_pair.tokens
+    prompt, tokens = copy_pair.prompts[0], split[-1].token_ids
+    logits = prompt_logits(load_target(copy_pair.target_dir, "float32"), [prompt + tokens])[0, len(prompt) - 1:-1]
+    expected = jax.nn.log_softmax(logits, -1)
+    np.testing.assert_allclose([lp.logprob for lp in split[-1].logprobs],
+                               np.asarray(expected)[np.arange(len(tokens)), tokens], atol=1e-5)
+    assert [[t for t, _ in lp.top] for lp in split[-1].logprobs] == np.argsort(-expected, -1)[:, :2].tolist()

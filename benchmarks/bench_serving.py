@@ -1,0 +1,272 @@
+"""Serving benchmark: the OpenAI-compatible server over random models at a real shape, driven by
+concurrent streaming clients (the async ``openai`` client), plain decoding against DFlash with
+acceptance replayed at ``--alpha``; the offline engine on the same batches in the same run.
+
+Per concurrency c: a server with c slots (``--max-num-seqs c``) in this process (uvicorn in a
+thread, 127.0.0.1, a free port); c clients each send ``--rounds`` requests one after another
+(prompts of ``--prompt-len`` random token ids, ``--max-tokens`` new tokens, ``ignore_eos``), all
+streamed. Reports output tok/s (all tokens over the wall time), TTFT p50/p99, effective TPOT
+(per request: time after the first token over the tokens after it; mean), ITL p99 (gaps between
+streamed chunks: DFlash delivers bursts), mean acceptance (tokens per DFlash step, from the
+server's spec-decode counters), and the offline engine's tok/s on the same prompts with c slots.
+``--soak-seconds S`` then keeps ``--soak-concurrency`` clients busy for S seconds against one
+DFlash server and reports its KV pages in use and the device's memory before and after.
+
+Random weights: speed does not depend on their values; the text is a synthetic word-level
+vocabulary ("w123 "), one word per token.
+
+    PYTHONPATH=. python3 benchmarks/bench_serving.py --shape qwen3-8b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, acceptance_rate, output_dir, positive_int, positive_ints, random_models, random_prompts  # noqa: E402,E501
+from common import require_gpu, run_record, write_json  # noqa: E402
+
+from dflash_jax.cli import COMPILE_CACHE_HELP, keep_compiled_programs, reported_as_errors  # noqa: E402
+from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
+from dflash_jax.server import create_app  # noqa: E402
+from dflash_jax.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = "bench"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
+    p.add_argument("--out", type=output_dir, help="write bench_serving.json here")
+    p.add_argument("--concurrency", type=positive_ints, default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--rounds", type=positive_int, default=4, help="requests each client sends, one after another")
+    p.add_argument("--prompt-len", type=positive_int, default=512)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--alpha", type=acceptance_rate, default=0.86, help="replayed acceptance of the DFlash runs")
+    p.add_argument("--modes", default="baseline,dflash", help="comma list of baseline, dflash")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--chunk-steps", type=positive_int, default=8)
+    p.add_argument("--skip-offline", action="store_true", help="no offline-engine rows")
+    p.add_argument("--soak-seconds", type=float, default=0.0)
+    p.add_argument("--soak-concurrency", type=positive_int, default=64)
+    p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or set(args.modes) - {"baseline", "dflash"}:
+        p.error(f"--modes: baseline and/or dflash, got {','.join(args.modes)}")
+    return args
+
+
+def word_tokenizer(vocab_size: int, folder: Path) -> Tokenizer:
+    """A word-level tokenizer of ``vocab_size`` words "w0".."wN" (each token decodes to a word)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tokenizer = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Metaspace(replacement=" ", prepend_scheme="never")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{}")
+    return Tokenizer(folder)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``create_app`` over ``engine`` under uvicorn in a thread of this process."""
+
+    def __init__(self, engine: Engine):
+        import uvicorn
+
+        self.engine, self.port = engine, _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=self.port,
+                                                    log_level="error", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "Server":
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(120)
+
+
+async def _one_request(client, prompt: list[int], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"ttft": stamps[0] - start, "end": end - start, "tokens": tokens,
+            "itl": np.diff(stamps).tolist(), "tpot": (end - stamps[0]) / max(tokens - 1, 1)}
+
+
+async def drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+    """``concurrency`` clients taking the prompts in turn; (per-request records, wall seconds)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    queue = list(prompts)
+    records: list[dict] = []
+
+    async def worker():
+        while queue:
+            records.append(await _one_request(client, queue.pop(), max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return records, wall
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(records: list[dict], wall: float, stats) -> dict:
+    itl = [gap for r in records for gap in r["itl"]]
+    tokens = sum(r["tokens"] for r in records)
+    drafts = stats.num_drafts
+    return {"requests": len(records), "tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * _percentile([r["ttft"] for r in records], 50),
+            "ttft_p99_ms": 1e3 * _percentile([r["ttft"] for r in records], 99),
+            "tpot_ms": 1e3 * statistics.fmean(r["tpot"] for r in records),
+            "itl_p99_ms": 1e3 * _percentile(itl, 99),
+            "tau": 1 + stats.num_accepted_tokens / drafts if drafts else None}
+
+
+def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) -> dict:
+    """The same prompts through an engine stepped in this thread (no HTTP): tok/s over the wall
+    time less compilation."""
+    engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=args.prompt_len + args.max_tokens,
+                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, accept_replay=alpha)
+    params = RequestParams(max_tokens=args.max_tokens, ignore_eos=True)
+    start = time.monotonic()
+    for prompt in prompts:
+        engine.submit(prompt, params)
+    engine.run_until_done()
+    end = time.monotonic()
+    wall = end - start - compile_seconds(start, end)
+    return {"output_tok_s": engine.stats.generation_tokens / wall, "wall_s": wall}
+
+
+def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
+    """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does)."""
+    engine = Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=args.prompt_len + args.max_tokens,
+                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
+                    max_waiting=100000, accept_replay=alpha)
+    engine.warmup()
+    return engine
+
+
+def soak(target, draft, tokenizer, args, rng) -> dict:
+    """``--soak-concurrency`` clients for ``--soak-seconds`` against one DFlash server."""
+    c = args.soak_concurrency
+    engine = engine_for(target, draft, tokenizer, c, args, args.alpha)
+    memory = lambda: (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use")  # noqa: E731
+    with Server(engine) as server:
+        warm = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
+        asyncio.run(drive(f"http://127.0.0.1:{server.port}", warm, c, args.max_tokens))
+        before = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
+        deadline, rounds, records = time.monotonic() + args.soak_seconds, 0, []
+        while time.monotonic() < deadline:
+            batch = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
+            records += asyncio.run(drive(f"http://127.0.0.1:{server.port}", batch, c, args.max_tokens))[0]
+            rounds += 1
+        after = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
+    return {"seconds": args.soak_seconds, "concurrency": c, "requests": len(records), "before": before,
+            "after": after, "pages_total": engine.num_pages,
+            "tokens": sum(r["tokens"] for r in records)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_gpu(args.shape)
+    keep_compiled_programs(args.compile_cache)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    target, draft = random_models(args.shape)
+    rng = np.random.default_rng(0)
+    report = {**run_record(args), "rows": []}
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = word_tokenizer(target.config.vocab_size, Path(folder))
+        for c in args.concurrency:
+            prompts = random_prompts(rng, c * args.rounds, args.prompt_len, target.config.vocab_size)
+            for mode in args.modes:
+                use_draft, alpha = (draft, args.alpha) if mode == "dflash" else (None, None)
+                with Server(engine_for(target, use_draft, tokenizer, c, args, alpha)) as server:
+                    url = f"http://127.0.0.1:{server.port}"
+                    asyncio.run(drive(url, prompts[:c], c, args.max_tokens))        # compiles; not timed
+                    stats_before = server.engine.stats.num_drafts, server.engine.stats.num_accepted_tokens
+                    records, wall = asyncio.run(drive(url, prompts, c, args.max_tokens))
+                    stats = server.engine.stats
+                    stats.num_drafts -= stats_before[0]
+                    stats.num_accepted_tokens -= stats_before[1]
+                    row = {"concurrency": c, "mode": mode, **summarize(records, wall, stats)}
+                if not args.skip_offline:
+                    offline(target, use_draft, tokenizer, prompts[:c], c, args, alpha)    # compiles; not timed
+                    row["offline_tok_s"] = offline(target, use_draft, tokenizer, prompts, c, args, alpha)["output_tok_s"]
+                    row["server_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
+                report["rows"].append(row)
+                if args.out:
+                    write_json(args.out / "bench_serving.json", report)
+        if args.soak_seconds > 0 and "dflash" in args.modes:
+            report["soak"] = soak(target, draft, tokenizer, args, rng)
+            if args.out:
+                write_json(args.out / "bench_serving.json", report)
+    print(table(report))
+    return 0
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['device']} | jax {report['jax']} | {report['date']} | {report['settings']['shape']} | "
+             f"prompt {report['settings']['prompt_len']}, max_tokens {report['settings']['max_tokens']}, "
+             f"alpha {report['settings']['alpha']}",
+             "  c  mode      tok/s   offline  srv/off  TTFT p50  p99 ms   TPOT ms  ITL p99   tau  speedup"]
+    base = {r["concurrency"]: r["output_tok_s"] for r in report["rows"] if r["mode"] == "baseline"}
+    for r in report["rows"]:
+        speedup = r["output_tok_s"] / base[r["concurrency"]] if r["mode"] == "dflash" and r["concurrency"] in base \
+            else None
+        lines.append(f"{r['concurrency']:>3}  {r['mode']:<8} {r['output_tok_s']:>7.1f} "
+                     f"{r.get('offline_tok_s', float('nan')):>9.1f} {r.get('server_over_offline', float('nan')):>8.2f} "
+                     f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {r['tpot_ms']:>9.2f} {r['itl_p99_ms']:>8.1f} "
+                     f"{r['tau'] if r['tau'] is not None else float('nan'):>5.2f} "
+                     + (f"{speedup:.2f}x" if speedup else ""))
+    if "soak" in report:
+        s = report["soak"]
+        lines.append(f"soak {s['seconds']:.0f} s at c={s['concurrency']}: {s['requests']} requests; pages in use "
+                     f"{s['before']['pages_in_use']} -> {s['after']['pages_in_use']} of {s['pages_total']}; device "
+                     f"bytes {s['before']['device_bytes_in_use']} -> {s['after']['device_bytes_in_use']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    with reported_as_errors():
+        raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The serving engine (dflash_jax.engine): continuous batching gives every request what it would
+get alone, greedy rows token for token; admission, chunked prefill, slot reuse and page freeing
+under random arrivals; per-request sampling exact in distribution."""
+
+import random
+
+import numpy as np
+import pytest
+
+from dflash_jax.engine import Engine, QueueFullError, RequestParams
+from dflash_jax.generate import generate
+from dflash_jax.sampling import SamplingConfig
+
+
+def _prompts(count: int, seed: int, vocab: int = 120, longest: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=int(rng.integers(1, longest))).tolist() for _ in range(count)]
+
+
+def _run(engine: Engine, prompts, params) -> list:
+    """Submit every prompt (params one or per prompt), step to the end; each request's outputs."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    outputs = [[] for _ in prompts]
+    requests = [engine.submit(p, q, on_output=outputs[i].append) for i, (p, q) in enumerate(zip(prompts, params))]
+    engine.run_until_done()
+    assert all(r.finished for r in requests)
+    return requests, outputs
+
+
+def _check_idle(engine: Engine) -> None:
+    """Nothing leaked: every page free, nothing promised, every slot free."""
+    assert engine.pages_in_use == 0 and engine._promised == 0
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["dflash", "plain"])
+def test_greedy_equals_offline_generation(spec_pair, with_draft):
+    """More requests than slots, prompts longer than a prefill chunk, ragged max_tokens, a pool
+    smaller than every slot at full length: every request's tokens equal offline ``generate``
+    of it alone, and the streamed pieces join to the whole."""
+    draft = spec_pair.draft if with_draft else None
+    prompts = _prompts(7, seed=3)
+    max_tokens = [5, 17, 33, 1, 24, 9, 40]
+    engine = Engine(spec_pair.target, draft, max_num_seqs=3, max_model_len=96, page_size=8, prefill_chunk=16,
+                    chunk_steps=4, num_pages=40, impl="reference")
+    requests, outputs = _run(engine, prompts, [RequestParams(max_tokens=m) for m in max_tokens])
+    for prompt, m, request, pieces in zip(prompts, max_tokens, requests, outputs):
+        alone = generate(spec_pair.target, [prompt], draft=draft, max_new_tokens=m, impl="reference").tokens[0]
+        assert request.token_ids == alone
+        assert sum((o.token_ids for o in pieces), []) == alone
+        assert pieces[-1].finished and pieces[-1].finish_reason == "length"
+        if with_draft:
+            assert sum(request.accept_lengths) + 1 == len(alone)
+    _check_idle(engine)
+    assert engine.stats.generation_tokens == sum(max_tokens)
+    if with_draft:
+        assert engine.stats.num_accepted_tokens > 0
+
+
+def test_random_arrivals_lose_nothing(spec_pair):
+    """Requests arriving between steps at random, some cancelled while waiting, prefilling or
+    decoding: each finished one equals its output alone, every cancelled one ends with "abort",
+    and every page comes back."""
+    rng = random.Random(7)
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=80, page_size=8,
+                    prefill_chunk=8, chunk_steps=2, num_pages=24, impl="reference")
+    prompts = _prompts(8, seed=11, longest=30)
+    pending = list(enumerate(prompts))
+    submitted, finals = {}, {}
+    while pending or engine.has_work():
+        if pending and rng.random() < 0.5:
+            index, prompt = pending.pop(0)
+            submitted[index] = engine.submit(prompt, RequestParams(max_tokens=rng.randint(1, 20)),
+                                             on_output=lambda o, i=index: o.finished and finals.setdefault(i, o))
+        live = [r for r in submitted.values() if not r.finished]
+        if live and rng.random() < 0.1:
+            engine.cancel(rng.choice(live))
+        engine.step()
+    assert sorted(finals) == list(range(len(prompts)))
+    for index, request in submitted.items():
+        if request.cancelled:
+            continue
+        assert finals[index].finish_reason == "length"
+        alone = generate(spec_pair.target, [prompts[index]], draft=spec_pair.draft,
+                         max_new_tokens=request.params.max_tokens, impl="reference").tokens[0]
+        assert request.token_ids == alone
+    assert any(r.cancelled for r in submitted.values())
+    assert all(finals[i].finish_reason == "abort" for i, r in submitted.items() if r.cancelled)
+    _check_idle(engine)
+
+
+def test_admission_refuses_what_can_never_fit_and_queues_the_rest(spec_pair):
+    engine = Engine(spec_pair.target, max_num_seqs=2, max_model_len=64, page_size=8, num_pages=6,
+                    max_waiting=2, impl="reference")
+    with pytest.raises(ValueError, match="needs 7 pages of 8 tokens, more than the engine's 6"):
+        engine.submit([1] * 30, RequestParams(max_tokens=20))
+    with pytest.raises(ValueError, match="more than the maximum context length 64"):
+        engine.submit([1] * 60, RequestParams(max_tokens=5))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([1, 100000], RequestParams())
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.submit([], RequestParams())
+    first = engine.submit([1, 2, 3], RequestParams(max_tokens=30))   # 5 pages promised
+    second = engine.submit([4, 5, 6], RequestParams(max_tokens=30))  # waits: 5 more do not fit beside
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit([7], RequestParams(max_tokens=1))
+    engine.step()
+    assert first.slot is not None and second.slot is None and engine.num_waiting == 1
+    engine.run_until_done()
+    assert first.finished and second.finished
+    _check_idle(engine)
+
+
+def test_stop_strings_and_tokens(spec_pair):
+    """A stop token ends a request with "stop" (the token kept); ignore_eos runs past the model's
+    end-of-sequence ids."""
+    prompt = _prompts(1, seed=5)[0]
+    alone = generate(spec_pair.target, [prompt], max_new_tokens=20, impl="reference").tokens[0]
+    stop = alone[6]
+    engine = Engine(spec_pair.target, max_num_seqs=2, max_model_len=96, page_size=8, impl="reference",
+                    stop_token_ids=[alone[3]])
+    requests, outputs = _run(engine, [prompt, prompt], [
+        RequestParams(max_tokens=20, stop_token_ids=(stop,)), RequestParams(max_tokens=20, ignore_eos=True)])
+    cut = alone.index(alone[3]) if alone.index(alone[3]) < alone.index(stop) else alone.index(stop)
+    assert requests[0].token_ids == alone[:cut + 1] and outputs[0][-1].finish_reason == "stop"
+    assert requests[1].token_ids == alone and outputs[1][-1].finish_reason == "length"
+
+
+def test_mixed_sampling_rows_keep_greedy_rows_exact(spec_pair):
+    """Greedy and sampled requests in one batch (different temperatures, top-k, top-p, min-p):
+    the greedy ones equal their outputs alone; a seeded sampled request gives the same tokens
+    whatever runs beside it."""
+    prompts = _prompts(4, seed=21)
+    settings = [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=5), SamplingConfig(),
+                SamplingConfig(temperature=1.1, top_p=0.9, min_p=0.05)]
+    params = [RequestParams(max_tokens=12, sampling=s, seed=100 + i) for i, s in enumerate(settings)]
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=4, max_model_len=96, page_size=8,
+                    impl="reference")
+    requests, _ = _run(engine, prompts, params)
+    for prompt, request, setting in zip(prompts, requests, settings):
+        if setting.greedy:
+            alone = generate(spec_pair.target, [prompt], draft=spec_pair.draft, max_new_tokens=12,
+                             impl="reference").tokens[0]
+            assert request.token_ids == alone
+    lone = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=4, max_model_len=96, page_size=8, impl="reference")
+    again, _ = _run(lone, [prompts[1]], [params[1]])
+    assert again[0].token_ids == requests[1].token_ids
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["dflash", "plain"])
+def test_logprobs_are_the_target_log_softmax(spec_pair, with_draft):
+    """Each emitted token's log-probability and the top ones equal transformers' log-softmax of
+    the whole sequence at that position, greedy and sampled, DFlash or not; a request that does
+    not ask gets none beside one that does."""
+    import torch
+
+    prompts = _prompts(3, seed=31)
+    params = [RequestParams(max_tokens=10, logprobs=3),
+              RequestParams(max_tokens=12, logprobs=0, sampling=SamplingConfig(temperature=1.0), seed=5),
+              RequestParams(max_tokens=6)]
+    engine = Engine(spec_pair.target, spec_pair.draft if with_draft else None, max_num_seqs=3, max_model_len=96,
+                    page_size=8, chunk_steps=2, impl="reference")
+    requests, outputs = _run(engine, prompts, params)
+    for prompt, request, pieces in zip(prompts, requests, outputs):
+        if request.params.logprobs is None:
+            assert all(o.logprobs is None for o in pieces) and request.logprobs == []
+            continue
+        assert [lp.token_id for o in pieces for lp in o.logprobs] == request.token_ids
+        with torch.no_grad():
+            logits = spec_pair.hf_target(torch.tensor([prompt + request.token_ids])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+        for position, (token, lp) in enumerate(zip(request.token_ids, request.logprobs)):
+            assert abs(lp.logprob - expected[position, token].item()) < 1e-4
+            top = torch.topk(expected[position], request.params.logprobs)
+            assert [i for i, _ in lp.top] == top.indices.tolist()
+            np.testing.assert_allclose([v for _, v in lp.top], top.values.numpy(), atol=1e-4)
+    _check_idle(engine)
+
+
+def test_warmup_compiles_what_requests_run(spec_pair, compilations):
+    """After warmup, requests of any prompt length up to the prefill chunk (greedy) compile
+    nothing more; the first token arrives with the prefill, before any decode chunk."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8,
+                    prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
+    assert engine.warmup() == 5   # prefill: 1 or 2 rows x 16 or 64 tokens; the decode chunk
+    with compilations() as compiled:
+        requests, outputs = _run(engine, _prompts(5, seed=41, longest=90), RequestParams(max_tokens=6))
+    assert [name for name in compiled if "prefill_slots" in name or "engine_chunk" in name] == []
+    assert all(pieces[0].token_ids == r.token_ids[:1] for r, pieces in zip(requests, outputs))

@@ -1,0 +1,328 @@
+"""The OpenAI-compatible server through real HTTP and the ``openai`` client, on a tiny pair with a
+real tokenizer and chat template: outputs equal offline generation, concurrency with mixed
+settings, streaming, chat, metrics, disconnects, errors; and ``python -m dflash_jax.serve`` as
+a user starts and stops it."""
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from builders import write_chat_tokenizer
+
+from dflash_jax.engine import Engine
+from dflash_jax.generate import generate
+from dflash_jax.models import load_draft, load_target
+from dflash_jax.server import create_app
+from dflash_jax.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    vocab = write_chat_tokenizer(target_dir)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(target_dir)
+    draft_config = Qwen3Config(num_hidden_layers=1, **shape)
+    draft_config.block_size, draft_config.num_target_layers = 4, 2
+    draft_config.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1]}
+    draft_config.architectures = ["DFlashDraftModel"]
+    DFlashDraftModel(draft_config).save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+@pytest.fixture(scope="module")
+def models(model_dirs):
+    target = load_target(model_dirs[0], "float32")
+    return target, load_draft(model_dirs[1], target, "float32"), Tokenizer(model_dirs[0])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """An app over an engine, served by uvicorn in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.port = engine, _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _engine(models, with_draft=True, **kwargs) -> Engine:
+    target, draft, tokenizer = models
+    settings = dict(max_num_seqs=4, max_model_len=160, page_size=8, chunk_steps=4, prefill_chunk=32, impl="reference")
+    return Engine(target, draft if with_draft else None, tokenizer, **{**settings, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with _Server(_engine(models)) as running:
+        yield running
+
+
+def _offline(models, prompt_ids, max_tokens, with_draft=True) -> str:
+    """Greedy generation of one prompt alone, cut at the model's end-of-sequence ids, as text."""
+    target, draft, tokenizer = models
+    tokens = generate(target, [prompt_ids], draft=draft if with_draft else None, max_new_tokens=max_tokens,
+                      stop_token_ids=tokenizer.stop_token_ids, impl="reference").tokens[0]
+    return tokenizer.decode(tokens)
+
+
+PROMPTS = ["def fibonacci(n):", "return n if", "else fibonacci(n - 1)\n", "def"]
+
+
+@pytest.mark.parametrize("with_draft", [True, False], ids=["dflash", "plain"])
+def test_completions_equal_offline_greedy(models, server, with_draft):
+    running = server if with_draft else _Server(_engine(models, with_draft=False)).__enter__()
+    try:
+        client = running.client()
+        for prompt in PROMPTS:
+            result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            ids = models[2].encode(prompt)
+            assert result.choices[0].text == _offline(models, ids, 24, with_draft)
+            assert result.usage.prompt_tokens == len(ids)
+            assert result.usage.completion_tokens == len(models[2].encode(result.choices[0].text)) or \
+                result.choices[0].finish_reason == "length"
+    finally:
+        if not with_draft:
+            running.__exit__(None, None, None)
+
+
+def test_sixteen_concurrent_requests_with_mixed_settings(models, server):
+    client = server.client()
+    jobs = []
+    for i in range(16):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        settings = dict(max_tokens=4 + (i * 7) % 30)
+        if i % 4 == 1:
+            settings.update(temperature=0.8, top_p=0.9, seed=i)
+        elif i % 4 == 2:
+            settings.update(temperature=1.0, n=2, extra_body={"top_k": 5, "min_p": 0.05})
+        elif i % 4 == 3:
+            settings.update(temperature=0, stop=["fib"])
+        else:
+            settings.update(temperature=0)
+        jobs.append((prompt, settings))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda job: client.completions.create(model=MODEL, prompt=job[0], **job[1]), jobs))
+    for (prompt, settings), result in zip(jobs, results):
+        assert len(result.choices) == settings.get("n", 1)
+        assert all(c.finish_reason in ("stop", "length") for c in result.choices)
+        if settings["temperature"] == 0:
+            full = _offline(models, models[2].encode(prompt), settings["max_tokens"])
+            expected = full.split("fib")[0] if "stop" in settings else full
+            assert result.choices[0].text == expected
+            assert "fib" not in result.choices[0].text or "stop" not in settings
+    assert server.metric("dflash:num_requests_running") == 0
+
+
+def test_streamed_chunks_join_to_the_whole_text(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_chat_completions_use_the_template(models, server):
+    client = server.client()
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    ids = models[2].encode(models[2].apply_chat_template(messages))
+    assert result.choices[0].message.content == _offline(models, ids, 20)
+    assert result.choices[0].message.role == "assistant" and result.usage.prompt_tokens == len(ids)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == result.choices[0].message.content
+
+
+def test_models_health_and_metrics(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    server.client().completions.create(model=MODEL, prompt="def", max_tokens=8, temperature=0)
+    for name in ("dflash:prompt_tokens_total", "dflash:generation_tokens_total", "dflash:spec_decode_num_drafts_total",
+                 "dflash:spec_decode_num_draft_tokens_total", "dflash:time_to_first_token_seconds_count",
+                 "dflash:e2e_request_latency_seconds_count"):
+        assert server.metric(name) > 0, name
+    assert server.metric("dflash:kv_cache_pages_total") == server.engine.num_pages
+
+
+def test_a_client_dropping_mid_stream_frees_its_pages(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 60
+    while server.metric("dflash:kv_cache_pages_used") or server.metric("dflash:num_requests_running"):
+        assert time.monotonic() < deadline, "the dropped request kept its pages"
+        time.sleep(0.1)
+
+
+def test_errors_have_openai_shape(server):
+    post = lambda body, **kw: httpx.post(server.url + "/v1/completions", timeout=30, **kw)  # noqa: E731
+    bad = post(None, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    for body, named in [({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "max_tokens": 0},
+                                                                             "max_tokens"),
+                        ({"prompt": "x", "top_p": 1.5}, "top_p"), ({"prompt": "x", "presence_penalty": 0.5},
+                                                                   "presence_penalty"),
+                        ({"prompt": "x" * 400, "max_tokens": 10}, "maximum context length"),
+                        ({"prompt": "x", "top_k": 1000, "temperature": 1}, "top_k")]:
+        response = post(None, json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and named in error["message"], (body, error)
+        assert error["code"] == 400 and error["type"] == "BadRequestError"
+    unknown = post(None, json={"model": "gpt-4", "prompt": "x"})
+    assert unknown.status_code == 404 and "gpt-4" in unknown.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="x", temperature=-1)
+
+
+def test_a_full_queue_answers_503(models):
+    with _Server(_engine(models, max_num_seqs=1, max_waiting=1)) as running:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 140, "temperature": 0, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: httpx.post(running.url + "/v1/completions", json=body, timeout=120),
+                                    range(4)))
+        codes = sorted(a.status_code for a in answers)
+        assert codes[0] == 200 and codes[-1] == 503, codes
+        refused = next(a for a in answers if a.status_code == 503).json()["error"]
+        assert "queue is full" in refused["message"] and refused["code"] == 503
+
+
+def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
+    """What a user runs: the module with its flags; SIGTERM lets the request finish and exits 0."""
+    port = _free_port()
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+           "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
+    command = [sys.executable, "-m", "dflash_jax.serve", "--target", str(model_dirs[0]), "--draft", str(model_dirs[1]),
+               "--port", str(port), "--dtype", "float32", "--impl", "reference", "--max-model-len", "128",
+               "--max-num-seqs", "2", "--served-model-name", MODEL, "--log-level", "warning"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.25)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, url + "/v1/completions", timeout=120,
+                                 json={"prompt": "def", "max_tokens": 100, "temperature": 0, "ignore_eos": True})
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            response = answer.result()
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_logprobs_equal_the_target_log_softmax(models, model_dirs, server):
+    """Completions' token_logprobs / top_logprobs and chat's logprobs.content are the target's
+    log-softmax (transformers, whole sequence) at each emitted token, streamed or not."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_jax.engine import RequestParams
+    from dflash_jax.sampling import SamplingConfig
+
+    hf = Qwen3ForCausalLM.from_pretrained(model_dirs[0]).float().eval()
+    target, draft, tokenizer = models
+    client = server.client()
+
+    def expected(prompt_ids, token_ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt_ids + token_ids])).logits[0]
+        return torch.log_softmax(logits, -1)[len(prompt_ids) - 1:-1]
+
+    ids = tokenizer.encode(PROMPTS[0])
+    settings = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0.7, seed=3, logprobs=2,
+                    extra_body={"ignore_eos": True})
+    choice = client.completions.create(**settings).choices[0]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**settings, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert sum((p.token_logprobs for p in streamed), []) == choice.logprobs.token_logprobs
+    # the sampled tokens' ids: the same seeded request through the engine directly
+    request = server.engine.submit(ids, RequestParams(max_tokens=12, sampling=SamplingConfig(temperature=0.7), seed=3,
+                                                      ignore_eos=True, logprobs=2))
+    deadline = time.monotonic() + 60
+    while not request.finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [tokenizer.token_text(t) for t in request.token_ids] == choice.logprobs.tokens
+    table = expected(ids, request.token_ids)
+    for position, (token, value, top) in enumerate(zip(request.token_ids, choice.logprobs.token_logprobs,
+                                                      choice.logprobs.top_logprobs)):
+        assert value == pytest.approx(table[position, token].item(), abs=1e-4)
+        best = torch.topk(table[position], 2).values.tolist()  # tokens of one text share a key: compare by value
+        assert all(min(abs(v - b) for b in best) < 1e-4 for v in top.values()) and max(top.values()) == \
+            pytest.approx(best[0], abs=1e-4)
+
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    greedy = generate(target, [chat_ids], draft=draft, max_new_tokens=8, stop_token_ids=tokenizer.stop_token_ids,
+                      impl="reference").tokens[0]
+    table = expected(chat_ids, greedy)
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.token_text(t) for t in greedy]
+    for position, (token, entry) in enumerate(zip(greedy, content)):
+        assert entry.logprob == pytest.approx(table[position, token].item(), abs=1e-4)
+        assert [e.token for e in entry.top_logprobs] == [tokenizer.token_text(t)
+                                                         for t in torch.topk(table[position], 3).indices.tolist()]
