@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,12 +32,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, acceptance_rate, output_dir, positive_int, positive_ints, random_models, random_prompts  # noqa: E402,E501
-from common import require_gpu, run_record, write_json  # noqa: E402
+from common import (SHAPES, acceptance_rate, output_dir, positive_int, positive_ints, random_models,  # noqa: E402
+                    random_prompts, require_gpu, run_record, write_json)
 
 from dflash_jax.cli import COMPILE_CACHE_HELP, keep_compiled_programs, reported_as_errors  # noqa: E402
 from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
-from dflash_jax.server import create_app  # noqa: E402
+from dflash_jax.server import BackgroundServer  # noqa: E402
 from dflash_jax.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "bench"
@@ -79,36 +77,6 @@ def word_tokenizer(vocab_size: int, folder: Path) -> Tokenizer:
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text("{}")
     return Tokenizer(folder)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``create_app`` over ``engine`` under uvicorn in a thread of this process."""
-
-    def __init__(self, engine: Engine):
-        import uvicorn
-
-        self.engine, self.port = engine, _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=self.port,
-                                                    log_level="error", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "Server":
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(120)
 
 
 async def _one_request(client, prompt: list[int], max_tokens: int) -> dict:
@@ -191,14 +159,14 @@ def soak(target, draft, tokenizer, args, rng) -> dict:
     c = args.soak_concurrency
     engine = engine_for(target, draft, tokenizer, c, args, args.alpha)
     memory = lambda: (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use")  # noqa: E731
-    with Server(engine) as server:
+    with BackgroundServer(engine, MODEL) as server:
         warm = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
-        asyncio.run(drive(f"http://127.0.0.1:{server.port}", warm, c, args.max_tokens))
+        asyncio.run(drive(server.url, warm, c, args.max_tokens))
         before = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
         deadline, rounds, records = time.monotonic() + args.soak_seconds, 0, []
         while time.monotonic() < deadline:
             batch = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
-            records += asyncio.run(drive(f"http://127.0.0.1:{server.port}", batch, c, args.max_tokens))[0]
+            records += asyncio.run(drive(server.url, batch, c, args.max_tokens))[0]
             rounds += 1
         after = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
     return {"seconds": args.soak_seconds, "concurrency": c, "requests": len(records), "before": before,
@@ -221,8 +189,9 @@ def main(argv=None) -> int:
             prompts = random_prompts(rng, c * args.rounds, args.prompt_len, target.config.vocab_size)
             for mode in args.modes:
                 use_draft, alpha = (draft, args.alpha) if mode == "dflash" else (None, None)
-                with Server(engine_for(target, use_draft, tokenizer, c, args, alpha)) as server:
-                    url = f"http://127.0.0.1:{server.port}"
+                engine = engine_for(target, use_draft, tokenizer, c, args, alpha)
+                with BackgroundServer(engine, MODEL) as server:
+                    url = server.url
                     asyncio.run(drive(url, prompts[:c], c, args.max_tokens))        # compiles; not timed
                     stats_before = server.engine.stats.num_drafts, server.engine.stats.num_accepted_tokens
                     records, wall = asyncio.run(drive(url, prompts, c, args.max_tokens))
@@ -232,7 +201,8 @@ def main(argv=None) -> int:
                     row = {"concurrency": c, "mode": mode, **summarize(records, wall, stats)}
                 if not args.skip_offline:
                     offline(target, use_draft, tokenizer, prompts[:c], c, args, alpha)    # compiles; not timed
-                    row["offline_tok_s"] = offline(target, use_draft, tokenizer, prompts, c, args, alpha)["output_tok_s"]
+                    timed = offline(target, use_draft, tokenizer, prompts, c, args, alpha)
+                    row["offline_tok_s"] = timed["output_tok_s"]
                     row["server_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
                 report["rows"].append(row)
                 if args.out:

@@ -325,8 +325,19 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     return state.replace(
         tokens=tokens, num_generated=num_generated, last_token=jnp.where(active, last, state.last_token),
         done=state.done | hit_stop | (num_generated >= state.max_new_tokens), cache=cache,
-        steps=state.steps + active.astype(jnp.int32), accept_lengths=accept_lengths, key=key, logprobs=logprobs,
+        steps=state.steps + active.astype(jnp.int32), accept_lengths=accept_lengths,
+        key=_advanced(key, state.key, active), logprobs=logprobs,
         iteration=state.iteration + 1)
+
+
+def _advanced(new: jax.Array, old: jax.Array, active: jax.Array) -> jax.Array:
+    """The step's new key; with a key per row, only active rows move on, so that a row's draws
+    depend on its own steps, not on how long it waited beside others (a seeded request's
+    output is the same whatever runs with it)."""
+    if old.ndim == 0:
+        return new
+    data = jnp.where(active[:, None], jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
 
 
 def default_steps_per_check(num_steps: int) -> int:
@@ -432,11 +443,13 @@ def admit_slots(state: DecodeState, slots: jax.Array, page_rows: jax.Array, max_
     last prompt token."""
     cache = state.cache
     zero = lambda pool: tuple(None if x is None else _put(x, slots, 0) for x in pool)  # noqa: E731
-    cache = cache.replace(page_table=_put(cache.page_table, slots, page_rows), lengths=_put(cache.lengths, slots, 0),
-                          conv=zero(cache.conv), recurrent=zero(cache.recurrent))
-    values = dataclasses.replace(state.sampling, **{name: _put(getattr(state.sampling, name), slots, getattr(sampling, name))
-                                                   for name in ("temperature", "top_p", "top_k", "min_p")})
-    return state.replace(cache=cache, done=_put(state.done, slots, True), num_generated=_put(state.num_generated, slots, 0),
+    cache = cache.replace(page_table=_put(cache.page_table, slots, page_rows),
+                          lengths=_put(cache.lengths, slots, 0), conv=zero(cache.conv), recurrent=zero(cache.recurrent))
+    values = dataclasses.replace(state.sampling, **{
+        name: _put(getattr(state.sampling, name), slots, getattr(sampling, name))
+        for name in ("temperature", "top_p", "top_k", "min_p")})
+    return state.replace(cache=cache, done=_put(state.done, slots, True),
+                         num_generated=_put(state.num_generated, slots, 0),
                          max_new_tokens=_put(state.max_new_tokens, slots, max_new_tokens),
                          stop_tokens=_put(state.stop_tokens, slots, stop_tokens), sampling=values,
                          steps=_put(state.steps, slots, 0), key=_put(state.key, slots, keys))
@@ -453,7 +466,8 @@ def set_page_rows(state: DecodeState, slots: jax.Array, page_rows: jax.Array) ->
 def release_slots(state: DecodeState, slots: jax.Array) -> DecodeState:
     """Slots [R] free again: done, no pages (sentinel row), no committed tokens."""
     cache = state.cache
-    cache = cache.replace(page_table=_put(cache.page_table, slots, cache.num_pages), lengths=_put(cache.lengths, slots, 0))
+    cache = cache.replace(page_table=_put(cache.page_table, slots, cache.num_pages),
+                          lengths=_put(cache.lengths, slots, 0))
     return state.replace(cache=cache, done=_put(state.done, slots, True))
 
 

@@ -330,12 +330,12 @@ class Engine:
     def step(self) -> bool:
         """One engine step: settle cancellations, admit, one prefill chunk, dispatch a decode
         chunk and deliver the previous one's tokens. False when there was nothing to do."""
-        with self._lock:
-            self._settle_cancelled()
-            self._admit()
-        if not self.has_work():
-            return False
         try:
+            with self._lock:
+                self._settle_cancelled()
+                self._admit()
+            if not self.has_work():
+                return False
             prefilled = self._prefill()
             chunk = self._dispatch_chunk()
             if prefilled is not None:
@@ -369,9 +369,8 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - logged; the requests were failed by step
-                log.exception("engine step failed; its requests were aborted")
-                self._state = self._empty_state()
+            except Exception:  # noqa: BLE001 - logged; step aborted the requests it held
+                log.exception("engine step failed; the requests holding slots were aborted")
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new requests; with ``drain`` finish the queued and running ones first, else
@@ -385,7 +384,8 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
     # ------------------------------------------------------------------ internals
 
@@ -549,8 +549,8 @@ class Engine:
         shapes = sorted({self._prefill_shape(rows, longest) for rows in range(1, self.prefill_rows + 1)
                          for longest in (1, 17, 65, 257, 1025, 4097, self.prefill_chunk)})
         for rows, chunk in shapes:
-            self._state, _ = self._prefill_call(np.full((rows,), self.slots, np.int32), np.zeros((rows, chunk), np.int32),
-                                                np.zeros((rows,), np.int32))
+            self._state, _ = self._prefill_call(np.full((rows,), self.slots, np.int32),
+                                                np.zeros((rows, chunk), np.int32), np.zeros((rows,), np.int32))
         zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
         self._state, _ = engine_chunk(self.target.params, None if self.draft is None else self.draft.params,
                                       self._state, zeros, zeros, self._replay_alpha, config=self.config,
@@ -627,39 +627,61 @@ class Engine:
                 self.stats.accepted_per_position[position] += 1
 
     def _emit(self, request: Request, new: list[int], steps: list[int], reason: str | None) -> None:
-        """Deliver new tokens with their text (stop strings cut it and finish the request)."""
+        """Deliver new tokens with their text. A stop token's text is not output; a stop string
+        cuts the text before it and the tokens after the one that completes it, and finishes
+        the request."""
+        before = len(request.token_ids)
         request.token_ids += new
         request.accept_lengths += steps
         logprobs, request.pending_logprobs = request.pending_logprobs, []
-        request.logprobs += logprobs
-        logprobs = logprobs if request.params.logprobs is not None else None
-        self.stats.generation_tokens += len(new)
         text_out = ""
         if request.stream is not None:
-            request.text += request.stream.update(request.token_ids, final=reason is not None)
-            stop_at = _first_stop(request.text, request.params.stop, request.sent_text)
-            if stop_at is not None:
-                request.text, reason = request.text[:stop_at], "stop"
+            by_token = reason == "stop" and self._stopped_by_token(request, new)
+            shown = request.token_ids[:-1] if by_token else request.token_ids
+            request.text += request.stream.update(shown, final=reason is not None)
+            found = _first_stop(request.text, request.params.stop, request.sent_text)
+            if found is not None:
+                start, end = found
+                kept = self._tokens_through(request.token_ids, end, before)
+                new, logprobs = new[:kept - before], logprobs[:kept - before]
+                request.token_ids, request.text, reason = request.token_ids[:kept], request.text[:start], "stop"
             hold = 0 if reason is not None else _stop_prefix_length(request.text, request.params.stop)
             text_out = request.text[request.sent_text:len(request.text) - hold]
             request.sent_text += len(text_out)
+        request.logprobs += logprobs
+        logprobs = logprobs if request.params.logprobs is not None else None
+        self.stats.generation_tokens += len(new)
         if reason is None:
             if new or text_out:
                 request.on_output(RequestOutput(request.id, text_out, new, steps, logprobs=logprobs))
             return
         self._finish(request, reason, text_out, new, steps, logprobs=logprobs)
 
+    def _tokens_through(self, token_ids: list[int], end: int, sent: int) -> int:
+        """The fewest tokens (more than ``sent``, those already delivered) whose text reaches
+        character ``end``: the tokens through the one that completes a stop string."""
+        low, high = sent + 1, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.tokenizer.decode(token_ids[:middle]).rstrip("\ufffd")) >= end:
+                high = middle
+            else:
+                low = middle + 1
+        return high
+
     def _finish(self, request: Request, reason: str, text: str = "", new: list[int] | None = None,
                 steps: list[int] | None = None, error: str | None = None,
-                logprobs: list[TokenLogprob] | None = None) -> None:
-        """Free the request's slot and pages and send its last output."""
-        request.finish_reason, request.finish_time = reason, time.monotonic()
+                logprobs: list[TokenLogprob] | None = None, release: bool = True) -> None:
+        """Free the request's slot and pages (on the device too, unless the state was just
+        rebuilt) and send its last output."""
         if request.slot is not None:
-            self._owners[request.slot] = None
-            self._state = self._with_statics(release_slots(self._state, jnp.asarray([request.slot], jnp.int32)))
+            slot, self._owners[request.slot] = request.slot, None
             self._free_pages += request.pages
             self._promised -= request.promised_pages
             request.pages, request.promised_pages, request.slot = [], 0, None
+            if release:
+                self._state = self._with_statics(release_slots(self._state, jnp.asarray([slot], jnp.int32)))
+        request.finish_reason, request.finish_time = reason, time.monotonic()
         self.stats.requests_finished += 1
         if logprobs is None and request.params.logprobs is not None:
             logprobs = []
@@ -667,9 +689,14 @@ class Engine:
                                         finish_reason=reason, error=error, logprobs=logprobs))
 
     def _fail_all(self, message: str) -> None:
+        """After a failed step: the device state rebuilt (a failed call may have consumed its
+        donated buffers), every request holding a slot finished with "abort" and ``message``;
+        the waiting ones stay queued."""
         self._in_flight = None
+        self._state = None                      # its buffers go before new ones are made
+        self._state = self._empty_state()
         for request in [r for r in self._owners if r is not None]:
-            self._finish(request, "abort", error=message)
+            self._finish(request, "abort", error=message, release=False)
 
 
 def _on_host(tree):
@@ -678,10 +705,10 @@ def _on_host(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
-    """Where the earliest stop string starts in ``text`` (searched from where it could first
+def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string in ``text`` (searched from where it could first
     appear unsent), or None."""
-    found = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+    found = [(i, i + len(s)) for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
     return min(found) if found else None
 
 

@@ -318,9 +318,17 @@ async def _respond(engine: Engine, metrics: Metrics, http: Request, body: _Sampl
                                  media_type="text/event-stream")
     texts, reasons = [""] * len(requests), [None] * len(requests)
     logprobs = [[] if r.params.logprobs is not None else None for r in requests]
+    checked = time.monotonic()
     try:
         while any(r is None for r in reasons):
-            choice, out = await queue.get()
+            if time.monotonic() - checked > 0.5:   # a client gone: nobody to answer; cancelled below
+                if await http.is_disconnected():
+                    return Response(status_code=499)
+                checked = time.monotonic()
+            try:
+                choice, out = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
             texts[choice] += out.text
             if out.logprobs is not None:
                 logprobs[choice] += out.logprobs
@@ -353,8 +361,9 @@ async def _stream(engine: Engine, http: Request, queue: asyncio.Queue, requests,
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choices, **extra) -> str:
+        usage = {"usage": None} if include_usage else {}   # OpenAI: null on every chunk but the last
         return "data: " + json.dumps({"id": response_id, "object": kind, "created": created, "model": model,
-                                      "choices": choices, **extra}) + "\n\n"
+                                      "choices": choices, **usage, **extra}) + "\n\n"
 
     offsets = [0] * len(requests)
 
@@ -389,3 +398,36 @@ async def _stream(engine: Engine, http: Request, queue: asyncio.Queue, requests,
         yield "data: [DONE]\n\n"
     finally:
         _cancel(engine, requests)
+
+
+class BackgroundServer:
+    """``create_app(engine, model_name)`` served by uvicorn in a thread of this process, on
+    ``host`` and a free port (tests, benchmarks, notebooks): ``with BackgroundServer(...) as
+    server: server.url``. Leaves Python's logging alone."""
+
+    def __init__(self, engine: Engine, model_name: str, host: str = "127.0.0.1"):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            self.port = probe.getsockname()[1]
+        self.engine, self.url = engine, f"http://{host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host=host, port=self.port,
+                                                     log_config=None))
+        self._thread = threading.Thread(target=self._server.run, name="dflash-http", daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 120
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(120)

@@ -472,6 +472,25 @@ def write_chat_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
+def write_chat_pair(target_dir: Path, draft_dir: Path, **config) -> None:
+    """A tiny random Qwen3 target with ``write_chat_tokenizer``'s tokenizer and template, and a
+    1-layer z-lab draft over its layer 1 (block 4), saved by transformers and the z-lab package;
+    ``config`` overrides both configs' fields."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = write_chat_tokenizer(target_dir)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, **config)
+    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(target_dir)
+    draft_config = Qwen3Config(num_hidden_layers=1, **shape)
+    draft_config.block_size, draft_config.num_target_layers = 4, 2
+    draft_config.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1]}
+    draft_config.architectures = ["DFlashDraftModel"]
+    DFlashDraftModel(draft_config).save_pretrained(draft_dir)
+
+
 def target_folder(directory: Path, *, dtype: str = "float32", seed: int = 0, max_shard_size=None,
                   **config) -> torch.nn.Module:
     """Save a random transformers Qwen3ForCausalLM (plus stand-in tokenizer files) and return it."""

@@ -10,26 +10,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import torch
-from builders import CHAT_TEMPLATE, write_chat_tokenizer
+from builders import CHAT_TEMPLATE, write_chat_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from dflash.model import DFlashDraftModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
-    vocab = write_chat_tokenizer(target_dir)
-    torch.manual_seed(0)
-    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8)
-    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(target_dir)
-    dcfg = Qwen3Config(num_hidden_layers=1, **shape)
-    dcfg.block_size, dcfg.num_target_layers = 4, 2
-    dcfg.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1]}
-    dcfg.architectures = ["DFlashDraftModel"]
-    DFlashDraftModel(dcfg).save_pretrained(draft_dir)
+    write_chat_pair(target_dir, draft_dir)
     return target_dir, draft_dir
 
 

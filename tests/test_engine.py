@@ -4,6 +4,7 @@ under random arrivals; per-request sampling exact in distribution."""
 
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -187,3 +188,51 @@ def test_warmup_compiles_what_requests_run(spec_pair, compilations):
         requests, outputs = _run(engine, _prompts(5, seed=41, longest=90), RequestParams(max_tokens=6))
     assert [name for name in compiled if "prefill_slots" in name or "engine_chunk" in name] == []
     assert all(pieces[0].token_ids == r.token_ids[:1] for r, pieces in zip(requests, outputs))
+
+
+def test_a_seeded_request_samples_the_same_beside_others(spec_pair):
+    """A seeded request whose prompt takes several prefill chunks draws the same tokens alone and
+    beside a decoding request (a row's key moves only with its own steps)."""
+    rng = np.random.default_rng(0)
+    long_prompt, other = rng.integers(1, 120, size=60).tolist(), rng.integers(1, 120, size=5).tolist()
+    seeded = RequestParams(max_tokens=12, sampling=SamplingConfig(temperature=1.0), seed=123)
+    settings = dict(max_num_seqs=2, max_model_len=96, page_size=8, prefill_chunk=16, chunk_steps=2, impl="reference")
+    alone = _run(Engine(spec_pair.target, spec_pair.draft, **settings), [long_prompt], [seeded])[0][0]
+    beside = _run(Engine(spec_pair.target, spec_pair.draft, **settings), [other, long_prompt],
+                  [RequestParams(max_tokens=40), seeded])[0][1]
+    assert beside.token_ids == alone.token_ids
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, monkeypatch):
+    """A device call that fails mid-run: every request holding a slot ends with "abort" and the
+    error, its pages come back, the waiting ones then run as they would have."""
+    from dflash_jax import engine as engine_module
+
+    real, calls = engine_module.engine_chunk, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            jax.tree.map(lambda x: x.delete(), args[2])   # as a failed call may leave its donated state
+            raise RuntimeError("device fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "engine_chunk", fails_once)
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=96, page_size=8, chunk_steps=2,
+                    impl="reference")
+    prompts = _prompts(4, seed=51)
+    finals = {}
+    keep_last = lambda i: lambda out: out.finished and finals.setdefault(i, out)  # noqa: E731
+    requests = [engine.submit(p, RequestParams(max_tokens=30), on_output=keep_last(i)) for i, p in enumerate(prompts)]
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.run_until_done()
+    aborted = [i for i, o in finals.items() if o.finish_reason == "abort"]
+    assert len(aborted) == 2 and all("device fault" in finals[i].error for i in aborted)
+    assert engine.pages_in_use == 0 and engine.num_running == 0
+    engine.run_until_done()
+    for i, request in enumerate(requests):
+        if i not in aborted:
+            alone = generate(spec_pair.target, [prompts[i]], draft=spec_pair.draft, max_new_tokens=30,
+                             impl="reference").tokens[0]
+            assert request.token_ids == alone and finals[i].finish_reason == "length"
+    _check_idle(engine)

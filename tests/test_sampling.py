@@ -510,3 +510,26 @@ def test_row_keys_draw_each_row_from_its_own_stream():
     first, second = split_keys(keys, 2)
     assert first.shape == second.shape == (4,)
     assert not np.array_equal(jax.random.key_data(first), jax.random.key_data(second))
+
+
+def test_engine_requests_with_their_own_settings_sample_exactly(tiny):
+    """The serving engine, sampled requests (each its own seed) sharing batches with greedy ones:
+    the sampled tokens are exact in distribution, the greedy requests give greedy tokens."""
+    from dflash_jax.engine import Engine, RequestParams
+
+    config = SAMPLING_CASES["t0.8-top_k5-top_p0.9"]
+    joint3, t4 = _exact(tiny[3], tiny[2], config.temperature, config.top_p, config.top_k)
+    target, draft = tiny[:2]
+    engine = Engine(target, draft, max_num_seqs=512, max_model_len=16, page_size=4, prefill_rows=512, chunk_steps=2,
+                    impl="reference", stop_token_ids=[], max_waiting=SAMPLES * 2)
+    sampled, greedy = [], []
+    for i in range(SAMPLES):
+        sampled.append(engine.submit(PROMPT, RequestParams(max_tokens=NEW, sampling=config, seed=i)))
+        if i % 64 == 0:
+            greedy.append(engine.submit(PROMPT, RequestParams(max_tokens=NEW)))
+    engine.run_until_done()
+    alone = generate(target, [PROMPT], draft=draft, max_new_tokens=NEW, impl="reference").tokens[0]
+    assert all(r.token_ids == alone for r in greedy)
+    tokens = np.array([r.token_ids for r in sampled])
+    assert 0.2 < np.mean([r.accept_lengths[0] >= 2 for r in sampled]) < 0.8
+    _assert_exact(_pvalues(tokens, joint3, t4), "engine, mixed rows")

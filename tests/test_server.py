@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,13 +16,12 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
-from builders import write_chat_tokenizer
+from builders import write_chat_pair
 
-from dflash_jax.engine import Engine
+from dflash_jax.engine import Engine, RequestParams
 from dflash_jax.generate import generate
 from dflash_jax.models import load_draft, load_target
-from dflash_jax.server import create_app
+from dflash_jax.server import BackgroundServer
 from dflash_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,20 +30,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from dflash.model import DFlashDraftModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
-    vocab = write_chat_tokenizer(target_dir)
-    torch.manual_seed(0)
-    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(target_dir)
-    draft_config = Qwen3Config(num_hidden_layers=1, **shape)
-    draft_config.block_size, draft_config.num_target_layers = 4, 2
-    draft_config.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1]}
-    draft_config.architectures = ["DFlashDraftModel"]
-    DFlashDraftModel(draft_config).save_pretrained(draft_dir)
+    write_chat_pair(target_dir, draft_dir, max_position_embeddings=256)
     return target_dir, draft_dir
 
 
@@ -61,30 +47,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
-    """An app over an engine, served by uvicorn in a thread on a free port of 127.0.0.1."""
+class _Server(BackgroundServer):
+    """The app over an engine in this process, with the tests' clients."""
 
     def __init__(self, engine: Engine):
-        self.engine, self.port = engine, _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(60)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        super().__init__(engine, MODEL)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -196,17 +163,6 @@ def test_models_health_and_metrics(server):
     assert server.metric("dflash:kv_cache_pages_total") == server.engine.num_pages
 
 
-def test_a_client_dropping_mid_stream_frees_its_pages(server):
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        next(response.iter_lines())
-    deadline = time.monotonic() + 60
-    while server.metric("dflash:kv_cache_pages_used") or server.metric("dflash:num_requests_running"):
-        assert time.monotonic() < deadline, "the dropped request kept its pages"
-        time.sleep(0.1)
-
-
 def test_errors_have_openai_shape(server):
     post = lambda body, **kw: httpx.post(server.url + "/v1/completions", timeout=30, **kw)  # noqa: E731
     bad = post(None, content=b"{not json", headers={"content-type": "application/json"})
@@ -278,7 +234,6 @@ def test_logprobs_equal_the_target_log_softmax(models, model_dirs, server):
     log-softmax (transformers, whole sequence) at each emitted token, streamed or not."""
     from transformers import Qwen3ForCausalLM
 
-    from dflash_jax.engine import RequestParams
     from dflash_jax.sampling import SamplingConfig
 
     hf = Qwen3ForCausalLM.from_pretrained(model_dirs[0]).float().eval()
@@ -326,3 +281,91 @@ def test_logprobs_equal_the_target_log_softmax(models, model_dirs, server):
         assert entry.logprob == pytest.approx(table[position, token].item(), abs=1e-4)
         assert [e.token for e in entry.top_logprobs] == [tokenizer.token_text(t)
                                                          for t in torch.topk(table[position], 3).indices.tolist()]
+
+
+# ----------------------------------------------------------------------------- text, engine-level
+
+
+def _engine_run(models, params, with_draft=True, **settings):
+    """One request through a fresh engine with the tiny pair's tokenizer: (request, outputs)."""
+    target, draft, tokenizer = models
+    engine = Engine(target, draft if with_draft else None, tokenizer,
+                    **{**dict(max_num_seqs=1, max_model_len=160, page_size=8, chunk_steps=4, prefill_chunk=32,
+                              impl="reference"), **settings})
+    outputs = []
+    request = engine.submit(tokenizer.encode(PROMPTS[0]), params, on_output=outputs.append)
+    engine.run_until_done()
+    assert engine.pages_in_use == 0
+    return request, outputs
+
+
+def test_a_stop_string_ends_the_text_tokens_and_logprobs(models):
+    """The tokens and log-probabilities end with the token that completes a stop string (not
+    the rest of its DFlash step), the text before the stop string."""
+    tokenizer = models[2]
+    whole, _ = _engine_run(models, RequestParams(max_tokens=40, ignore_eos=True))
+    stop = tokenizer.decode(whole.token_ids[:4])[-2:]            # completed by the 4th token
+    assert stop and stop not in tokenizer.decode(whole.token_ids[:3])
+    request, outputs = _engine_run(models, RequestParams(max_tokens=40, ignore_eos=True, stop=(stop,), logprobs=0))
+    text = tokenizer.decode(whole.token_ids)
+    assert "".join(o.text for o in outputs) == text[:text.find(stop)] and outputs[-1].finish_reason == "stop"
+    assert request.token_ids == whole.token_ids[:4] == sum((o.token_ids for o in outputs), [])
+    assert [lp.token_id for o in outputs for lp in o.logprobs] == request.token_ids
+
+
+def test_a_stop_token_is_in_the_tokens_not_the_text(models):
+    tokenizer = models[2]
+    whole, _ = _engine_run(models, RequestParams(max_tokens=20, ignore_eos=True))
+    stop = whole.token_ids[5]
+    cut = whole.token_ids.index(stop)
+    request, outputs = _engine_run(models, RequestParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)))
+    assert request.token_ids == whole.token_ids[:cut + 1] and outputs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outputs) == tokenizer.decode(whole.token_ids[:cut])
+
+
+def test_a_stop_string_across_two_outputs_is_held_back_and_never_sent(models):
+    """Plain decoding, one token per output: a stop string made of the end of one token's text
+    and the start of the next one's is held back, then cut; nothing of it is ever sent."""
+    tokenizer = models[2]
+    settings = dict(chunk_steps=1, with_draft=False)
+    whole, _ = _engine_run(models, RequestParams(max_tokens=30, ignore_eos=True), **settings)
+    pieces = [tokenizer.decode(whole.token_ids[:i + 1]) for i in range(len(whole.token_ids))]
+    for i in range(1, len(pieces) - 1):
+        before, after = pieces[i][len(pieces[i - 1]):], pieces[i + 1][len(pieces[i]):]
+        stop = before[-1:] + after[:1]
+        if len(stop) == 2 and "\ufffd" not in stop and pieces[i + 1].find(stop) == len(pieces[i]) - 1:
+            break
+    else:
+        raise AssertionError("no stop string spans two tokens' texts")
+    request, outputs = _engine_run(models, RequestParams(max_tokens=30, ignore_eos=True, stop=(stop,)), **settings)
+    assert len(outputs) > 2 and outputs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outputs) == pieces[i + 1][:pieces[i + 1].find(stop)]
+
+
+def test_a_dropped_client_cancels_its_request(models):
+    """A client that drops a stream, or stops waiting for a whole answer, cancels its request:
+    it ends with "abort" long before its max_tokens and its pages come back (the page gauge at
+    its idle value)."""
+    engine = _engine(models, with_draft=False, chunk_steps=1)
+    submitted, submit, step = [], engine.submit, engine.step
+    engine.submit = lambda *a, **k: submitted.append(submit(*a, **k)) or submitted[-1]
+
+    def slow_step():   # ~20 ms a token: 150 tokens would take seconds
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    with _Server(engine) as running:
+        with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:
+            next(response.iter_lines())
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(running.url + "/v1/completions", json=body, timeout=0.3)
+        deadline = time.monotonic() + 60
+        while not (len(submitted) == 2 and all(r.finished for r in submitted)) or engine.pages_in_use:
+            assert time.monotonic() < deadline, [r.finish_reason for r in submitted]
+            time.sleep(0.05)
+        assert [r.finish_reason for r in submitted] == ["abort", "abort"]
+        assert all(len(r.token_ids) < 150 for r in submitted)
+        assert running.metric("dflash:kv_cache_pages_used") == 0 and running.metric("dflash:num_requests_running") == 0
