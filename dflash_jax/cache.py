@@ -189,20 +189,27 @@ def zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num
     return jax.lax.with_sharding_constraint(cache, named(cache_specs(cache, tensor_parallel), tensor_parallel.mesh))
 
 
-def check_cache_fits(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> None:
-    """ValueError when the paged KV cache (its shapes: target and draft layers; split over the
-    mesh of ``tensor_parallel``, its split pools a share per device) would not fit in the device
-    memory left beside what is already there (the weights), as far as the device reports it (GPUs
-    do; CPUs report nothing)."""
+def device_free_bytes() -> int | None:
+    """Memory the first local device has left beside what it holds (the weights), as far as it
+    reports it (GPUs do; CPUs report nothing: None)."""
     stats = jax.local_devices()[0].memory_stats() or {}
-    if not stats.get("bytes_limit"):
-        return
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats.get("bytes_limit") else None
+
+
+def cache_bytes_per_device(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> int:
+    """Bytes one device holds of a cache (or its shapes): its split pools a share each."""
     shares = [1] * len(jax.tree.leaves(cache)) if tensor_parallel is None else [
         tensor_parallel.size if spec != P() else 1
         for spec in jax.tree.leaves(cache_specs(cache, tensor_parallel), is_leaf=lambda x: isinstance(x, P))]
-    needed = sum(x.size * x.dtype.itemsize // share for x, share in zip(jax.tree.leaves(cache), shares, strict=True))
-    if needed > free:
+    return sum(x.size * x.dtype.itemsize // share for x, share in zip(jax.tree.leaves(cache), shares, strict=True))
+
+
+def check_cache_fits(cache: PagedKVCache, tensor_parallel: TensorParallel | None = None) -> None:
+    """ValueError when the paged KV cache (its shapes: target and draft layers; split over the
+    mesh of ``tensor_parallel``) would not fit in the device memory left beside the weights."""
+    free = device_free_bytes()
+    needed = cache_bytes_per_device(cache, tensor_parallel)
+    if free is not None and needed > free:
         raise ValueError(f"the KV cache needs {needed / 2**30:.2f} GiB ({cache.num_pages * cache.page_size} token "
                          "slots: each sequence's prompt + max_new_tokens + a block) and the device has "
                          f"{free / 2**30:.2f} GiB free beside the weights: use fewer prompts per batch or a "

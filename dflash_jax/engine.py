@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.cache import check_cache_fits, check_page_size, zeroed_cache
+from dflash_jax.cache import (cache_bytes_per_device, check_cache_fits, check_page_size, device_free_bytes,
+                              zeroed_cache)
 from dflash_jax.decode import (ChunkOutput, DecodeState, LoopConfig, PrefillOutput, TokenLogprobs, admit_slots,
                                bucket, default_steps_per_check, engine_chunk, prefill_slots, release_slots,
                                set_page_rows)
@@ -217,9 +218,9 @@ class Engine:
                              f"max_position_embeddings), got {self.max_model_len}")
         self.page_size, self.slots = page_size, max_num_seqs
         self.pages_per_seq = math.ceil((self.max_model_len + self.config.block_size) / page_size)
-        self.num_pages = num_pages or max_num_seqs * self.pages_per_seq
-        if self.num_pages < 1:
+        if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages or self._default_num_pages(max_num_seqs * self.pages_per_seq)
         self.chunk_steps = chunk_steps
         self.steps_per_check = steps_per_check or default_steps_per_check(chunk_steps)
         self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
@@ -392,6 +393,30 @@ class Engine:
     def _pages_for(self, prompt_len: int, max_tokens: int) -> int:
         """Pages a request may touch: its prompt, its tokens and the last block's scratch."""
         return math.ceil((prompt_len + max_tokens + self.config.block_size) / self.page_size)
+
+    def _default_num_pages(self, every_slot: int) -> int:
+        """Pages for every slot at max_model_len, or as many as 90% of the device's free memory
+        holds when that is fewer (at least one request of max_model_len, else ValueError)."""
+        free = device_free_bytes()
+        if free is None:
+            return every_slot
+        draft_model = None if self.draft is None else self.draft.config.model
+        table = jax.ShapeDtypeStruct((self.slots, self.pages_per_seq), jnp.int32)
+        sized = [cache_bytes_per_device(jax.eval_shape(
+            lambda t, n=n: zeroed_cache(t, self.target.config, draft_model, n, self.page_size,
+                                        self.target.params.embed.dtype, None), table), self.target.tensor_parallel)
+            for n in (1, 2)]
+        per_page, fixed = sized[1] - sized[0], 2 * sized[0] - sized[1]
+        fits = int((0.9 * free - fixed) // per_page)
+        if fits < self.pages_per_seq:
+            raise ValueError(f"the device has {free / 2**30:.2f} GiB free beside the weights: not even one request "
+                             f"of max_model_len {self.max_model_len} fits ({self.pages_per_seq} pages of "
+                             f"{per_page / 2**20:.2f} MiB): lower max_model_len")
+        if fits < every_slot:
+            log.warning("KV pool: %d pages (%d tokens) fit in 90%% of the free device memory, fewer than %d slots x "
+                        "max_model_len %d; requests wait for pages (lower max_model_len or max_num_seqs, or give "
+                        "num_pages)", fits, fits * self.page_size, self.slots, self.max_model_len)
+        return min(fits, every_slot)
 
     def _empty_state(self) -> DecodeState:
         """Every slot free: sentinel page rows, done, greedy defaults."""

@@ -27,8 +27,9 @@ from dflash_jax.tokenizer import Tokenizer
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.serve", formatter_class=DefaultsHelpFormatter,
+                                description="The OpenAI-compatible HTTP server over one serving engine "
+                                            "(continuous batching; DFlash with --draft).")
     p.add_argument("--target", required=True, help="HF folder of a supported target, or a converted folder")
     p.add_argument("--draft", help="DFlash draft folder (default: none: plain decoding)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -38,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=at_least(2),
                    help="prompt + generated tokens per request (default: the target's max_position_embeddings)")
     p.add_argument("--num-pages", type=at_least(1),
-                   help="KV pages in the pool (default: every slot at --max-model-len)")
+                   help="KV pages in the pool (default: every slot at --max-model-len, or what 90%% of the free "
+                        "device memory holds if less)")
     p.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page")
     p.add_argument("--block-size", type=at_least(2), help="speculation block (default: the draft's trained size)")
     p.add_argument("--chunk-steps", type=at_least(1), default=8, help="decode steps per on-device chunk")
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", choices=["auto", "reference", "pallas", "interpret"],
                    help="kernels (auto: Pallas where measured faster) or plain-JAX references")
     p.add_argument("--tp", type=at_least(1), default=1, help="tensor parallelism: devices the models split over")
+    p.add_argument("--replicate-draft", action="store_true", help="with --tp: the whole draft on every device")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tp: a MoE target's experts dealt out whole instead of split by width")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of requests that give none")
     p.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                    help="seconds running requests get to finish after SIGTERM")
@@ -76,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft:
             load_draft_config(args.draft).check_target(target_config)
         tokenizer = Tokenizer(args.target)
-        tensor_parallel = TensorParallel(make_mesh(args.tp)) if args.tp > 1 else None
+        if (args.replicate_draft or args.expert_parallel) and args.tp == 1:
+            raise ValueError("--replicate-draft and --expert-parallel need --tp > 1")
+        tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
+                                         expert_parallel=args.expert_parallel) if args.tp > 1 else None
         keep_compiled_programs(args.compile_cache)
         target = load_target(args.target, args.dtype, progress=True, tensor_parallel=tensor_parallel)
         draft = load_draft(args.draft, target, args.dtype, progress=True) if args.draft else None

@@ -236,3 +236,25 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, mon
                              impl="reference").tokens[0]
             assert request.token_ids == alone and finals[i].finish_reason == "length"
     _check_idle(engine)
+
+
+def test_the_default_pool_fits_the_free_device_memory(spec_pair, monkeypatch, caplog):
+    """Without num_pages the pool is every slot at max_model_len, or what 90% of the device's
+    free memory holds when that is less (with a warning); refused when not one request fits."""
+    from dflash_jax import engine as engine_module
+
+    settings = dict(max_num_seqs=4, max_model_len=64, page_size=8, impl="reference")
+    every_slot = 4 * -(-(64 + 16) // 8)
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: None)              # a CPU reports nothing
+    assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == every_slot
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 10**12)
+    assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == every_slot
+    # the target's and the draft's K and V pages: 6 layers x 2 x 8 tokens x 2 heads x 16 x 4 bytes
+    per_page = 6 * 2 * 8 * 2 * 16 * 4
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: int((25.5 * per_page) / 0.9))  # + page table
+    with caplog.at_level("WARNING", logger="dflash_jax.engine"):
+        assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == 25
+    assert "25 pages (200 tokens) fit" in caplog.text
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 5 * per_page)
+    with pytest.raises(ValueError, match="not even one request of max_model_len 64 fits"):
+        Engine(spec_pair.target, spec_pair.draft, **settings)
