@@ -715,7 +715,7 @@ def _generate(args, processes: distributed.Processes | None) -> int:
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    streaming = len(prompts) == 1
+    streaming = len(prompts) == 1 and args.output_jsonl != "-"   # standard output then holds the JSON alone
     if leader:
         print(f"target {target_dir}" + (f", draft {draft_dir} (block {args.block_size or draft.config.block_size})"
                                         if draft else ", no draft") + f", jax {jax.__version__} on "

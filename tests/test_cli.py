@@ -768,3 +768,12 @@ def test_cli_reads_prompts_from_stdin_and_writes_jsonl_to_stdout(model_dirs):
     assert sorted((r["index"], r["prompt_name"], r["prompt"]) for r in records) == [
         (0, "stdin:1", "def fib"), (1, "stdin:3", "return n")]
     assert "blank line(s) 2 skipped" in run.stderr
+
+
+def test_cli_one_prompt_with_jsonl_to_stdout_prints_only_the_json(model_dirs, capsys):
+    from dflash_jax import generate
+
+    assert generate.main(["--target", str(model_dirs[0]), "--no-draft", "--prompt", "def fib", "--output-jsonl", "-",
+                          "--max-new-tokens", "3", "--dtype", "float32", "--impl", "reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["prompt"] == "def fib"
