@@ -483,8 +483,7 @@ class Engine:
         top-k candidates capped at ``top_k_cap`` (one compiled variant for any top-k); the
         log-probability buffers while one asks for them."""
         live = [r for r in self._owners if r is not None]
-        rows = SamplingRows.stack([r.params.sampling for r in live] or [SamplingConfig()], top_k_cap=self.top_k_cap)
-        statics = {f: getattr(rows, f) for f in ("greedy", "top_k_cap", "nucleus", "sort_all")}
+        statics = SamplingRows.statics([r.params.sampling for r in live], top_k_cap=self.top_k_cap)
         state = state.replace(sampling=dataclasses.replace(state.sampling, **statics))
         wanted = any(r.params.logprobs is not None for r in live)
         if wanted and state.logprobs is None:

@@ -91,19 +91,24 @@ class SamplingRows:
 
     @staticmethod
     def stack(configs: "list[SamplingConfig]", top_k_cap: int | None = None) -> "SamplingRows":
-        """The rows of ``configs`` (one per row); ``top_k_cap`` raises the static cap (a caller
-        that mixes requests keeps the number of compiled variants small)."""
+        """The rows of ``configs`` (one per row); ``top_k_cap`` as for ``statics``."""
+        array = lambda name, dtype: jnp.asarray([getattr(c, name) for c in configs], dtype)  # noqa: E731
+        return SamplingRows(temperature=array("temperature", jnp.float32), top_p=array("top_p", jnp.float32),
+                            top_k=array("top_k", jnp.int32), min_p=array("min_p", jnp.float32),
+                            **SamplingRows.statics(configs, top_k_cap))
+
+    @staticmethod
+    def statics(configs: "list[SamplingConfig]", top_k_cap: int | None = None) -> dict:
+        """The static fields for rows of ``configs`` (no arrays made); ``top_k_cap`` raises the
+        cap (a caller that mixes requests keeps the number of compiled variants small)."""
         sampled = [c for c in configs if not c.greedy]
         cap = max([c.top_k for c in sampled], default=0)
         if top_k_cap is not None and cap:
             if top_k_cap < cap:
                 raise ValueError(f"top_k_cap {top_k_cap} is below a row's top_k {cap}")
             cap = top_k_cap
-        array = lambda name, dtype: jnp.asarray([getattr(c, name) for c in configs], dtype)  # noqa: E731
-        return SamplingRows(temperature=array("temperature", jnp.float32), top_p=array("top_p", jnp.float32),
-                            top_k=array("top_k", jnp.int32), min_p=array("min_p", jnp.float32),
-                            greedy=not sampled, top_k_cap=cap, nucleus=any(c.nucleus for c in sampled),
-                            sort_all=any(c.nucleus and c.top_k == 0 for c in sampled))
+        return dict(greedy=not sampled, top_k_cap=cap, nucleus=any(c.nucleus for c in sampled),
+                    sort_all=any(c.nucleus and c.top_k == 0 for c in sampled))
 
 
 def _rows(config: "SamplingConfig | SamplingRows") -> SamplingRows:
