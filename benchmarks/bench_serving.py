@@ -5,7 +5,8 @@ acceptance replayed at ``--alpha``; the offline engine on the same batches in th
 Per concurrency c: a server with c slots (``--max-num-seqs c``) in this process (uvicorn in a
 thread, 127.0.0.1, a free port); c clients each send ``--rounds`` requests one after another
 (prompts of ``--prompt-len`` random token ids, ``--max-tokens`` new tokens, ``ignore_eos``), all
-streamed. Reports output tok/s (all tokens over the wall time), TTFT p50/p99, effective TPOT
+streamed. The clients run in a process of their own (as vLLM's serving benchmark does), so
+their parsing does not take the server's interpreter lock. Reports output tok/s (all tokens over the wall time), TTFT p50/p99, effective TPOT
 (per request: time after the first token over the tokens after it; mean), ITL p99 (gaps between
 streamed chunks: DFlash delivers bursts), mean acceptance (tokens per DFlash step, from the
 server's spec-decode counters), and the offline engine's tok/s on the same prompts with c slots.
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import jax
@@ -114,6 +117,16 @@ async def drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens
     return records, wall
 
 
+def drive_elsewhere(clients: ProcessPoolExecutor, url: str, prompts: list[list[int]], concurrency: int,
+                    max_tokens: int) -> tuple[list[dict], float]:
+    """``drive`` in the clients' process."""
+    return clients.submit(_drive_sync, url, prompts, concurrency, max_tokens).result()
+
+
+def _drive_sync(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+    return asyncio.run(drive(url, prompts, concurrency, max_tokens))
+
+
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -150,28 +163,36 @@ def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
     engine = Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=args.prompt_len + args.max_tokens,
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
                     max_waiting=100000, accept_replay=alpha)
-    engine.warmup()
+    start = time.monotonic()
+    programs = engine.warmup(prompt_lengths=[args.prompt_len])
+    print(f"  {slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "
+          f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return engine
 
 
-def soak(target, draft, tokenizer, args, rng) -> dict:
-    """``--soak-concurrency`` clients for ``--soak-seconds`` against one DFlash server."""
+def soak(target, draft, tokenizer, args, rng, clients: ProcessPoolExecutor, progress) -> dict:
+    """``--soak-concurrency`` clients for ``--soak-seconds`` against one DFlash server; after
+    every round (c requests) ``progress`` gets the figures so far (a run cut off keeps them)."""
     c = args.soak_concurrency
     engine = engine_for(target, draft, tokenizer, c, args, args.alpha)
     memory = lambda: (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use")  # noqa: E731
     with BackgroundServer(engine, MODEL) as server:
         warm = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
-        asyncio.run(drive(server.url, warm, c, args.max_tokens))
-        before = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
-        deadline, rounds, records = time.monotonic() + args.soak_seconds, 0, []
-        while time.monotonic() < deadline:
+        drive_elsewhere(clients, server.url, warm, c, args.max_tokens)
+        figures = {"seconds": args.soak_seconds, "concurrency": c, "pages_total": engine.num_pages,
+                   "before": {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}}
+        start, rounds, requests, tokens = time.monotonic(), 0, 0, 0
+        while time.monotonic() < start + args.soak_seconds:
             batch = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
-            records += asyncio.run(drive(server.url, batch, c, args.max_tokens))[0]
-            rounds += 1
-        after = {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}
-    return {"seconds": args.soak_seconds, "concurrency": c, "requests": len(records), "before": before,
-            "after": after, "pages_total": engine.num_pages,
-            "tokens": sum(r["tokens"] for r in records)}
+            records = drive_elsewhere(clients, server.url, batch, c, args.max_tokens)[0]
+            rounds, requests, tokens = rounds + 1, requests + len(records), tokens + sum(r["tokens"] for r in records)
+            elapsed = time.monotonic() - start
+            figures.update(elapsed_s=elapsed, requests=requests, tokens=tokens, output_tok_s=tokens / elapsed,
+                           after={"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()})
+            progress(figures)
+            print(f"  soak: {elapsed:.0f} s, {rounds} rounds, {requests} requests, pages in use "
+                  f"{engine.pages_in_use}", file=sys.stderr, flush=True)
+    return figures
 
 
 def main(argv=None) -> int:
@@ -183,7 +204,8 @@ def main(argv=None) -> int:
     target, draft = random_models(args.shape)
     rng = np.random.default_rng(0)
     report = {**run_record(args), "rows": []}
-    with tempfile.TemporaryDirectory() as folder:
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder, ProcessPoolExecutor(1, mp_context=spawn) as clients:
         tokenizer = word_tokenizer(target.config.vocab_size, Path(folder))
         for c in args.concurrency:
             prompts = random_prompts(rng, c * args.rounds, args.prompt_len, target.config.vocab_size)
@@ -192,9 +214,9 @@ def main(argv=None) -> int:
                 engine = engine_for(target, use_draft, tokenizer, c, args, alpha)
                 with BackgroundServer(engine, MODEL) as server:
                     url = server.url
-                    asyncio.run(drive(url, prompts[:c], c, args.max_tokens))        # compiles; not timed
+                    drive_elsewhere(clients, url, prompts[:c], c, args.max_tokens)        # not timed
                     stats_before = server.engine.stats.num_drafts, server.engine.stats.num_accepted_tokens
-                    records, wall = asyncio.run(drive(url, prompts, c, args.max_tokens))
+                    records, wall = drive_elsewhere(clients, url, prompts, c, args.max_tokens)
                     stats = server.engine.stats
                     stats.num_drafts -= stats_before[0]
                     stats.num_accepted_tokens -= stats_before[1]
@@ -205,12 +227,15 @@ def main(argv=None) -> int:
                     row["offline_tok_s"] = timed["output_tok_s"]
                     row["server_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
                 report["rows"].append(row)
+                print(table(report).splitlines()[-1], file=sys.stderr, flush=True)
                 if args.out:
                     write_json(args.out / "bench_serving.json", report)
         if args.soak_seconds > 0 and "dflash" in args.modes:
-            report["soak"] = soak(target, draft, tokenizer, args, rng)
-            if args.out:
-                write_json(args.out / "bench_serving.json", report)
+            def progress(figures: dict) -> None:
+                report["soak"] = figures
+                if args.out:
+                    write_json(args.out / "bench_serving.json", report)
+            progress(soak(target, draft, tokenizer, args, rng, clients, progress))
     print(table(report))
     return 0
 
@@ -231,7 +256,8 @@ def table(report: dict) -> str:
                      + (f"{speedup:.2f}x" if speedup else ""))
     if "soak" in report:
         s = report["soak"]
-        lines.append(f"soak {s['seconds']:.0f} s at c={s['concurrency']}: {s['requests']} requests; pages in use "
+        lines.append(f"soak {s['elapsed_s']:.0f} s at c={s['concurrency']}: {s['requests']} requests, "
+                     f"{s['output_tok_s']:.0f} tok/s; pages in use "
                      f"{s['before']['pages_in_use']} -> {s['after']['pages_in_use']} of {s['pages_total']}; device "
                      f"bytes {s['before']['device_bytes_in_use']} -> {s['after']['device_bytes_in_use']}")
     return "\n".join(lines)

@@ -462,16 +462,27 @@ class Engine:
         if not admitted:
             return
         self._grow_pages(admitted, {r: len(r.prompt_ids) for r in admitted})
-        settings = [r.params.sampling for r in admitted]
-        keys = jnp.stack([self._request_key(r) for r in admitted])
-        stops = np.full((len(admitted), self._state.stop_tokens.shape[1]), -1, np.int32)
+        self._admit_on_device(admitted)
+
+    def _admit_on_device(self, admitted: list[Request]) -> None:
+        """``admit_slots`` for the admitted requests, padded to one row per slot (rows past them
+        write nothing): one program whatever the number admitted."""
+        pad = self.slots - len(admitted)
+        settings = [r.params.sampling for r in admitted] + [SamplingConfig()] * pad
+        keys = jnp.stack([self._request_key(r) for r in admitted] + [self._key] * pad)
+        stops = np.full((self.slots, self._state.stop_tokens.shape[1]), -1, np.int32)
         for row, request in enumerate(admitted):
             ids = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else self.eos_ids)
             stops[row, :len(ids)] = ids
-        inputs = (jnp.asarray([r.slot for r in admitted], jnp.int32), self._page_rows(admitted),
-                  jnp.asarray([r.params.max_tokens for r in admitted], jnp.int32), jnp.asarray(stops),
+        inputs = (self._slot_rows(admitted), self._page_rows(admitted),
+                  jnp.asarray([r.params.max_tokens for r in admitted] + [0] * pad, jnp.int32), jnp.asarray(stops),
                   SamplingRows.stack(settings), keys)
         self._state = self._with_statics(admit_slots(self._state, *replicated(inputs, self.target.tensor_parallel)))
+
+    def _set_pages_on_device(self, grown: list[Request]) -> None:
+        """``set_page_rows`` for the requests that grew, padded to one row per slot."""
+        self._state = set_page_rows(self._state, *replicated((self._slot_rows(grown), self._page_rows(grown)),
+                                                             self.target.tensor_parallel))
 
     def _request_key(self, request: Request) -> jax.Array:
         seed = request.params.seed
@@ -493,8 +504,13 @@ class Engine:
             state = state.replace(logprobs=None)
         return state
 
+    def _slot_rows(self, requests: list[Request]) -> jax.Array:
+        """The requests' slots [slots]; the rows after them out of range (padding)."""
+        return jnp.asarray([r.slot for r in requests] + [self.slots] * (self.slots - len(requests)), jnp.int32)
+
     def _page_rows(self, requests: list[Request]) -> jax.Array:
-        table = np.full((len(requests), self.pages_per_seq), self.num_pages, np.int32)
+        """The requests' page-table rows [slots, W]; the rows after them the sentinel page."""
+        table = np.full((self.slots, self.pages_per_seq), self.num_pages, np.int32)
         for row, request in enumerate(requests):
             table[row, :len(request.pages)] = request.pages
         return jnp.asarray(table)
@@ -563,24 +579,33 @@ class Engine:
                 reason = "stop" if self._stopped_by_token(request, [token]) else "length"
             self._emit(request, [token], [], reason)
 
-    def warmup(self) -> int:
-        """Compile what the first requests would otherwise wait for: every prefill shape
-        (``_prefill_shape``; padding rows only, which write nothing) and the greedy decode chunk
-        (every slot free: it returns at once). Returns the number of programs run. Before any
-        request is submitted."""
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> int:
+        """Compile what the first requests would otherwise wait for: the prefill shapes
+        (``_prefill_shape``; padding rows only, which write nothing), the slot updates (admit,
+        grow, release) and the greedy decode chunk (every slot free: it returns at once). Returns the number of programs run. Before any
+        request is submitted. ``prompt_lengths``: only the shapes prompts of these lengths use
+        (a benchmark's fixed lengths); by default every shape."""
         if self.has_work():
             raise RuntimeError("warmup runs before the first request")
-        shapes = sorted({self._prefill_shape(rows, longest) for rows in range(1, self.prefill_rows + 1)
-                         for longest in (1, 17, 65, 257, 1025, 4097, self.prefill_chunk)})
+        if prompt_lengths is None:
+            remainders = {1, 17, 65, 257, 1025, 4097, self.prefill_chunk}
+        else:
+            remainders = {length - start for length in prompt_lengths for start in range(0, length, self.prefill_chunk)}
+        shapes = sorted({self._prefill_shape(rows, longest) for rows in range(1, min(self.prefill_rows, self.slots) + 1)
+                         for longest in remainders})
         for rows, chunk in shapes:
             self._state, _ = self._prefill_call(np.full((rows,), self.slots, np.int32),
                                                 np.zeros((rows, chunk), np.int32), np.zeros((rows,), np.int32))
+        self._admit_on_device([])
+        self._set_pages_on_device([])
+        self._state = release_slots(self._state, *replicated((jnp.asarray([self.slots], jnp.int32),),
+                                                             self.target.tensor_parallel))
         zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
         self._state, _ = engine_chunk(self.target.params, None if self.draft is None else self.draft.params,
                                       self._state, zeros, zeros, self._replay_alpha, config=self.config,
                                       num_steps=self.chunk_steps, steps_per_check=self.steps_per_check)
         jax.block_until_ready(self._state)
-        return len(shapes) + 1
+        return len(shapes) + 4
 
     def _dispatch_chunk(self) -> tuple[ChunkOutput, list[Request | None], np.ndarray, np.ndarray] | None:
         """Grow pages for two chunks ahead (the host's counts lag one chunk), then dispatch a
@@ -592,8 +617,7 @@ class Engine:
         ahead = 2 * self.chunk_steps * self.config.block_size + self.config.block_size + 1
         grown = self._grow_pages(decoding, {r: len(r.prompt_ids) + r.delivered + ahead for r in decoding})
         if grown:
-            self._state = set_page_rows(self._state, *replicated(
-                (jnp.asarray([r.slot for r in grown], jnp.int32), self._page_rows(grown)), self.target.tensor_parallel))
+            self._set_pages_on_device(grown)
         owners = [r if r is not None and r.decoding else None for r in owners]
         seen = np.asarray([0 if r is None else r.delivered for r in owners], np.int32)
         seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)

@@ -5,6 +5,7 @@ arithmetic and the argument checks do."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import bench_e2e  # noqa: E402
 import bench_matmul  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_serving  # noqa: E402
+import engine_breakdown  # noqa: E402
 import profile_step  # noqa: E402
 
 
@@ -412,4 +414,18 @@ def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, ca
         if row["tau"] is not None:
             assert 1 < row["tau"] <= 10
     assert report["soak"]["after"]["pages_in_use"] == 0 and report["soak"]["requests"] > 0
-    assert "soak 1 s at c=3" in capsys.readouterr().out
+    assert re.search(r"soak \d+ s at c=3: \d+ requests, \d+ tok/s; pages in use 0 -> 0", capsys.readouterr().out)
+    assert report["soak"]["elapsed_s"] >= 1
+
+
+def test_engine_breakdown_times_every_program_of_each_mode(tmp_path):
+    """The breakdown at the tiny shape: plain and one DFlash block, every engine program timed
+    (prefill, chunks, slot updates), the same tokens in the overlapped and the waited run."""
+    assert engine_breakdown.main(["--shape", "tiny", "--concurrency", "3", "--rounds", "2", "--prompt-len", "12",
+                                  "--max-tokens", "10", "--blocks", "8", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_breakdown.json").read_text())
+    assert [row["mode"] for row in report["rows"]] == ["plain", "dflash block 8"]
+    for row in report["rows"]:
+        assert row["tokens"] == 6 * 10 and row["output_tok_s"] > 0
+        assert set(row["programs"]) == set(engine_breakdown.PROGRAMS)
+        assert row["programs"]["prefill_slots"]["calls"] >= 1 and row["programs"]["release_slots"]["calls"] == 6

@@ -178,16 +178,32 @@ def test_logprobs_are_the_target_log_softmax(spec_pair, with_draft):
     _check_idle(engine)
 
 
+ENGINE_PROGRAMS = ("prefill_slots", "engine_chunk", "admit_slots", "set_page_rows", "release_slots")
+
+
 def test_warmup_compiles_what_requests_run(spec_pair, compilations):
     """After warmup, requests of any prompt length up to the prefill chunk (greedy) compile
     nothing more; the first token arrives with the prefill, before any decode chunk."""
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8,
                     prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
-    assert engine.warmup() == 5   # prefill: 1 or 2 rows x 16 or 64 tokens; the decode chunk
+    assert engine.warmup() == 8   # prefill: 1 or 2 rows x 16 or 64 tokens; admit, grow, release; the decode chunk
     with compilations() as compiled:
         requests, outputs = _run(engine, _prompts(5, seed=41, longest=90), RequestParams(max_tokens=6))
-    assert [name for name in compiled if "prefill_slots" in name or "engine_chunk" in name] == []
+    assert [name for name in compiled if any(step in name for step in ENGINE_PROGRAMS)] == []
     assert all(pieces[0].token_ids == r.token_ids[:1] for r, pieces in zip(requests, outputs))
+
+
+def test_warmup_for_given_prompt_lengths_compiles_only_their_shapes(spec_pair, compilations):
+    """``warmup(prompt_lengths=...)``: the shapes prompts of those lengths take (a 90-token prompt
+    at chunk 64: a 64-token piece, then 26 padded to 64) and no others; such prompts then compile
+    nothing more."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=128, page_size=8,
+                    prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
+    assert engine.warmup(prompt_lengths=[90]) == 6   # prefill: 1 or 2 rows x 64 tokens; 3 slot updates; decode
+    rng = np.random.default_rng(7)
+    with compilations() as compiled:
+        _run(engine, [rng.integers(1, 120, size=90).tolist() for _ in range(3)], RequestParams(max_tokens=6))
+    assert [name for name in compiled if any(step in name for step in ENGINE_PROGRAMS)] == []
 
 
 def test_a_seeded_request_samples_the_same_beside_others(spec_pair):
