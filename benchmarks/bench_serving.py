@@ -35,10 +35,10 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (SHAPES, acceptance_rate, output_dir, positive_int, positive_ints, random_models,  # noqa: E402
-                    random_prompts, require_gpu, run_record, write_json)
+from common import (SHAPES, acceptance_rate, engine_run_models, output_dir, positive_int, positive_ints,  # noqa: E402
+                    random_prompts, run_record, write_json)
 
-from dflash_jax.cli import COMPILE_CACHE_HELP, keep_compiled_programs, reported_as_errors  # noqa: E402
+from dflash_jax.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
 from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
 from dflash_jax.server import BackgroundServer  # noqa: E402
 from dflash_jax.tokenizer import Tokenizer  # noqa: E402
@@ -197,11 +197,7 @@ def soak(target, draft, tokenizer, args, rng, clients: ProcessPoolExecutor, prog
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    require_gpu(args.shape)
-    keep_compiled_programs(args.compile_cache)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    target, draft = random_models(args.shape)
+    target, draft = engine_run_models(args)
     rng = np.random.default_rng(0)
     report = {**run_record(args), "rows": []}
     spawn = multiprocessing.get_context("spawn")

@@ -20,11 +20,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import word_tokenizer  # noqa: E402
-from common import (SHAPES, acceptance_rate, output_dir, positive_int, positive_ints, random_models,  # noqa: E402
-                    random_prompts, require_gpu, run_record, write_json)
+from common import (SHAPES, acceptance_rate, engine_run_models, output_dir, positive_int, positive_ints,  # noqa: E402
+                    random_prompts, run_record, write_json)
 
 from dflash_jax import engine as engine_module  # noqa: E402
-from dflash_jax.cli import COMPILE_CACHE_HELP, keep_compiled_programs, reported_as_errors  # noqa: E402
+from dflash_jax.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
 from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
 
 PROGRAMS = ("prefill_slots", "engine_chunk", "admit_slots", "set_page_rows", "release_slots")
@@ -114,11 +114,7 @@ def breakdown(engine: Engine, prompts: list[list[int]], args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    require_gpu(args.shape)
-    keep_compiled_programs(args.compile_cache)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    target, draft = random_models(args.shape)
+    target, draft = engine_run_models(args)
     prompts = random_prompts(np.random.default_rng(0), args.concurrency * args.rounds, args.prompt_len,
                              target.config.vocab_size)
     report = {**run_record(args), "rows": []}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import json
 import sys
@@ -25,6 +26,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from tqdm import tqdm
 
+from dflash_jax import mxfp4
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config, read_json
 from dflash_jax.families import get as get_family
 from dflash_jax.families.tensors import Slot, column_index, column_width, draft_slots, target_slots
@@ -103,20 +105,50 @@ def _load_tensor(handle, path: Path, name: str) -> np.ndarray:
 
 
 def iter_tensors(directory: Path) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
-    """(name, load, shape) for every tensor, loading one tensor at a time on demand."""
+    """(name, load, shape) for every tensor, loading one tensor at a time on demand. An MXFP4
+    pair (uint8 ``<name>_blocks`` and ``<name>_scales``, gpt-oss's experts) comes as the one
+    tensor ``<name>`` in transformers' layout, dequantised to float32 when loaded
+    (``mxfp4.dequantize_pair``); CheckpointError for half a pair."""
+    parts: dict[str, dict[str, tuple[Path, tuple[int, ...]]]] = {}
     for path in safetensors_files(directory):
         with _open_safetensors(path) as handle:
             for name in handle.keys():
-                shape = tuple(handle.get_slice(name).get_shape())
+                piece = handle.get_slice(name)
+                shape = tuple(piece.get_shape())
+                suffix = name[-len(mxfp4.BLOCKS_SUFFIX):]
+                if piece.get_dtype() == "U8" and suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX):
+                    pair = parts.setdefault(name[:-len(suffix)], {})
+                    pair[suffix] = (path, shape)
+                    if len(pair) == 2:
+                        base = name[:-len(suffix)]
+                        yield base, functools.partial(_dequantized, base, parts.pop(base)), \
+                            _checked_mxfp4_shape(directory, base, parts_of=pair)
+                    continue
                 yield name, (lambda h=handle, p=path, n=name: _load_tensor(h, p, n)), shape
+    if parts:
+        base, pair = next(iter(parts.items()))
+        have, lack = next(iter(pair)), ({mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX} - set(pair)).pop()
+        raise CheckpointError(f"{directory}: MXFP4 tensor '{base}{have}' has no '{base}{lack}'")
+
+
+def _checked_mxfp4_shape(directory: Path, base: str, parts_of: dict) -> tuple[int, ...]:
+    blocks, scales = parts_of[mxfp4.BLOCKS_SUFFIX][1], parts_of[mxfp4.SCALES_SUFFIX][1]
+    if len(blocks) != 4 or blocks[-1] != 16 or blocks[:-1] != scales:
+        raise CheckpointError(f"{directory}: MXFP4 tensors '{base}_blocks' {list(blocks)} and '{base}_scales' "
+                              f"{list(scales)} must be [E, rows, G, 16] and [E, rows, G]")
+    return mxfp4.dequantized_shape(blocks)
+
+
+def _dequantized(base: str, pair: dict) -> np.ndarray:
+    arrays = {}
+    for suffix, (path, _) in pair.items():
+        with _open_safetensors(path) as handle:
+            arrays[suffix] = _load_tensor(handle, path, base + suffix)
+    return mxfp4.dequantize_pair(arrays[mxfp4.BLOCKS_SUFFIX], arrays[mxfp4.SCALES_SUFFIX])
 
 
 def _count_tensors(directory: Path) -> int:
-    total = 0
-    for path in safetensors_files(directory):
-        with _open_safetensors(path) as handle:
-            total += len(handle.keys())
-    return total
+    return sum(1 for _ in iter_tensors(directory))
 
 
 def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ignored: Callable[[str], bool], *,

@@ -58,14 +58,15 @@ def _kernel_kwargs(impl: str) -> dict:
     return {"interpret": impl == "interpret"}
 
 
-def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, impl):
-    """Causal attention of new tokens (already written to the pages) at start[b] + t."""
+def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, impl, sinks=None):
+    """Causal attention of new tokens (already written to the pages) at start[b] + t; ``sinks``
+    [Hq]: per-head sink logits (gpt-oss) or None."""
     impl = resolve_impl(impl, "verify_attention")
     if impl == "reference":
         return pk.paged_verify_attention_reference(q, k_pages, v_pages, page_table, start,
-                                                   sliding_window=sliding_window)
+                                                   sliding_window=sliding_window, sinks=sinks)
     return pk.paged_verify_attention(q, k_pages, v_pages, page_table, start,
-                                     sliding_window=sliding_window, **_kernel_kwargs(impl))
+                                     sliding_window=sliding_window, sinks=sinks, **_kernel_kwargs(impl))
 
 
 def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v, block_lens, *,
@@ -142,13 +143,17 @@ def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residua
     return pk.finish_projection(y + bias.astype(y.dtype), residual, gated, x.dtype)
 
 
-def routed_experts(x, experts, weights, gate_up, down, *, impl):
+def routed_experts(x, experts, weights, gate_up, down, gate_up_bias=None, down_bias=None, *, swiglu_limit=None,
+                   swiglu_alpha=1.702, impl):
     """Each token's routed SwiGLU experts, weighted and summed: x [N, H], experts and weights
-    [N, k], gate_up [E, H, 2I], down [E, I, H] -> [N, H]."""
+    [N, k], gate_up [E, H, 2I], down [E, I, H], biases [E, 2I] / [E, H] or None, gpt-oss's
+    clamped SwiGLU for a ``swiglu_limit`` -> [N, H]."""
     impl = resolve_impl(impl, "routed_experts")
+    kw = dict(swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if impl == "reference":
-        return pk.routed_experts_reference(x, experts, weights, gate_up, down)
-    return pk.routed_experts(x, experts, weights, gate_up, down, **_kernel_kwargs(impl))
+        return pk.routed_experts_reference(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw)
+    return pk.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
+                             **_kernel_kwargs(impl))
 
 
 RECURRENT_REFERENCE_TOKENS = 16  # up to a verify block: the reference walks tokens; beyond, the chunked form

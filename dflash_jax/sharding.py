@@ -177,7 +177,7 @@ def _mixer_layout(params, spec) -> Any:
         return AttentionParams(qkv_proj=LeafLayout(P(None, TP_AXIS), parts), o_proj=ROWS,
                                q_norm=_present(params.q_norm, REPLICATED), k_norm=_present(params.k_norm, REPLICATED),
                                qkv_bias=_present(params.qkv_bias, LeafLayout(P(TP_AXIS), parts)),
-                               o_bias=_present(params.o_bias, REPLICATED))
+                               o_bias=_present(params.o_bias, REPLICATED), sinks=_present(params.sinks, SPLIT))
     assert isinstance(spec, GatedDeltaNetSpec)
     ks, vs, hv = spec.key_size, spec.value_size, spec.num_value_heads
     return GatedDeltaNetParams(in_proj=LeafLayout(P(None, TP_AXIS), (ks, ks, vs, vs, hv, hv)),
@@ -195,8 +195,15 @@ def _ffn_layout(params, spec, expert_parallel: bool) -> Any:
         gate_up, down = LeafLayout(P(TP_AXIS, None, None)), LeafLayout(P(TP_AXIS, None, None))
     else:
         gate_up, down = LeafLayout(P(None, None, TP_AXIS), (width, width)), LeafLayout(P(None, TP_AXIS, None))
+    if expert_parallel:
+        gate_up_bias, down_bias = LeafLayout(P(TP_AXIS, None)), LeafLayout(P(TP_AXIS, None))
+    else:
+        gate_up_bias, down_bias = LeafLayout(P(None, TP_AXIS), (width, width)), REPLICATED
     return MoEParams(router=REPLICATED, gate_up_proj=gate_up, down_proj=down, shared=shared,
-                     shared_gate=_present(params.shared_gate, REPLICATED))
+                     shared_gate=_present(params.shared_gate, REPLICATED),
+                     router_bias=_present(params.router_bias, REPLICATED),
+                     gate_up_bias=_present(params.gate_up_bias, gate_up_bias),
+                     down_bias=_present(params.down_bias, down_bias))
 
 
 def _layers_layout(layers, config: ModelConfig, expert_parallel: bool = False) -> tuple:

@@ -86,7 +86,8 @@ def new_draft_config(target: ModelConfig, *, num_layers: int, block_size: int, m
     """A fresh z-lab draft for ``target`` of any family: Qwen3 layers (q/k norms) with the
     target's attention shape, RoPE (on whole heads: a Qwen3 layer has no partial rotary or output
     gate, which hybrids' attention has; z-lab's own Qwen3.5 drafts use 32 x 128 heads instead of
-    the target's 24 x 256) and biases, full attention, and a dense MLP as wide as the
+    the target's 24 x 256) and biases (no attention sinks: z-lab's layers, gpt-oss's drafts
+    included, have none), full attention, and a dense MLP as wide as the
     target's (for an all-MoE target, as wide as the experts a token runs: top_k x the expert
     width, 6144 for Qwen3-30B-A3B, which z-lab's drafts for it use)."""
     ids = tuple(target_layer_ids) if target_layer_ids else build_target_layer_ids(target.num_layers, num_layers)
@@ -94,7 +95,7 @@ def new_draft_config(target: ModelConfig, *, num_layers: int, block_size: int, m
     routed = next((layer.ffn for layer in target.layers if isinstance(layer.ffn, MoESpec)), None)
     width = target.intermediate_size if dense else routed.top_k * routed.intermediate_size
     attention = target.attention
-    attention = dataclasses.replace(attention, qk_norm=True, output_gate=False,
+    attention = dataclasses.replace(attention, qk_norm=True, output_gate=False, sinks=False,
                                     rope=dataclasses.replace(attention.rope, rotary_dim=attention.head_dim))
     layer = LayerSpec(attention, MLPSpec(width))
     model = ModelConfig(family="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,

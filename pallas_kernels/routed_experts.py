@@ -1,4 +1,6 @@
 """Routed SwiGLU experts of a MoE layer: each token's ``top_k`` experts, weighted and summed.
+Optionally with per-expert biases on both projections and gpt-oss's clamped SwiGLU
+(``swiglu_limit``: gate clamped above, up clamped both ways, (up + 1) * gate * sigmoid(alpha gate)).
 
 The reference is the grouped matmul XLA offers: the (token, expert) pairs sorted by expert,
 ``jax.lax.ragged_dot`` over the expert groups for gate|up and for down, the weighted outputs
@@ -43,20 +45,39 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, order // experts.shape[1], group_sizes
 
 
+def swiglu(gate: jax.Array, up: jax.Array, swiglu_limit: float | None, swiglu_alpha: float) -> jax.Array:
+    """silu(gate) * up, or for a ``swiglu_limit`` gpt-oss's clamped form."""
+    if swiglu_limit is None:
+        return gate / (1 + jnp.exp(-gate)) * up
+    gate = jnp.minimum(gate, swiglu_limit)
+    up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+    return (up + 1) * (gate / (1 + jnp.exp(-swiglu_alpha * gate)))
+
+
 def routed_experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                             down: jax.Array) -> jax.Array:
-    """sum_j weights[n, j] * down_e(silu(gate_e(x_n)) * up_e(x_n)) for e = experts[n, j].
+                             down: jax.Array, gate_up_bias: jax.Array | None = None,
+                             down_bias: jax.Array | None = None, *, swiglu_limit: float | None = None,
+                             swiglu_alpha: float = 1.702) -> jax.Array:
+    """sum_j weights[n, j] * down_e(swiglu(gate_e(x_n), up_e(x_n))) for e = experts[n, j].
 
     x [N, H]; experts [N, k] int32 in [0, E), or -1 for a pair that adds nothing; weights
-    [N, k]; gate_up [E, H, 2I] (gate | up); down [E, I, H]. Products are rounded to x's dtype (as
-    torch's Linear), the weighted sum is accumulated in f32 and returned [N, H] in x's dtype.
+    [N, k]; gate_up [E, H, 2I] (gate | up); down [E, I, H]; biases gate_up_bias [E, 2I] and
+    down_bias [E, H] or None (added to each projection, before the routing weight). Products are
+    rounded to x's dtype (as torch's Linear), the weighted sum is accumulated in f32 and returned
+    [N, H] in x's dtype.
     """
     weights = jnp.where(experts >= 0, weights, jnp.zeros((), weights.dtype))
     experts = jnp.maximum(experts, 0)
     num_experts = gate_up.shape[0]
     order, tokens, group_sizes = sort_by_expert(experts, num_experts)
-    gate, up = jnp.split(jax.lax.ragged_dot(x[tokens], gate_up, group_sizes), 2, axis=-1)
-    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), down, group_sizes)
+    row_expert = experts.reshape(-1)[order]
+    gate_up_out = jax.lax.ragged_dot(x[tokens], gate_up, group_sizes)
+    if gate_up_bias is not None:
+        gate_up_out = gate_up_out + gate_up_bias[row_expert]
+    gate, up = jnp.split(gate_up_out, 2, axis=-1)
+    out = jax.lax.ragged_dot(swiglu(gate, up, swiglu_limit, swiglu_alpha).astype(x.dtype), down, group_sizes)
+    if down_bias is not None:
+        out = out + down_bias[row_expert]
     scaled = (out * weights.reshape(-1)[order][:, None]).astype(jnp.float32)
     return jnp.zeros(x.shape, jnp.float32).at[tokens].add(scaled).astype(x.dtype)
 
@@ -102,9 +123,11 @@ def _tile_pairs(rows_ref, tile, block_m: int):
     return pair, pair >= 0
 
 
-def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, h_ref, *, top_k: int, block_m: int, block_n: int,
-                    block_k: int):
-    """Program (tile, column block): silu(x W_gate) * (x W_up) of the tile's rows, [block_m, block_n]."""
+def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, block_m: int, block_n: int,
+                    block_k: int, swiglu_limit: float | None, swiglu_alpha: float):
+    """Program (tile, column block): swiglu(x W_gate [+ b_gate], x W_up [+ b_up]) of the tile's
+    rows, [block_m, block_n]; refs: (bias [E, 2I],) h."""
+    *bias_ref, h_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[tile]
     hidden, width = x_ref.shape[1], h_ref.shape[1]
@@ -128,15 +151,19 @@ def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, h_ref, *, top_k: in
     # a tile with no rows streams nothing (a product, not a select: Triton wants an i32 bound)
     steps = (hidden // block_k) * (expert >= 0).astype(jnp.int32)
     gate, up = lax.fori_loop(0, steps, body, (zeros, zeros))
-    h = gate / (1 + jnp.exp(-gate)) * up
+    if bias_ref:
+        gate = gate + plgpu.load(bias_ref[0].at[e, pl.ds(n0, block_n)]).astype(jnp.float32)[None, :]
+        up = up + plgpu.load(bias_ref[0].at[e, pl.ds(width + n0, block_n)]).astype(jnp.float32)[None, :]
+    h = swiglu(gate, up, swiglu_limit, swiglu_alpha)
     plgpu.store(h_ref.at[pl.ds(tile * block_m, block_m), pl.ds(n0, block_n)], h.astype(h_ref.dtype),
                 mask=jnp.broadcast_to(valid[:, None], (block_m, block_n)))
 
 
-def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, out_ref, *, block_m: int, block_n: int,
+def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, block_m: int, block_n: int,
                  block_k: int):
-    """Program (tile, column block): routing weight x (h W_down) of the tile's rows, f32, stored
-    at each row's pair (out [N * k, H])."""
+    """Program (tile, column block): routing weight x (h W_down [+ b_down]) of the tile's rows,
+    f32, stored at each row's pair (out [N * k, H]); refs: (bias [E, H],) out."""
+    *bias_ref, out_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[tile]
     width = h_ref.shape[1]
@@ -155,6 +182,8 @@ def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, out_ref, 
 
     steps = (width // block_k) * (expert >= 0).astype(jnp.int32)
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    if bias_ref:
+        acc = acc + plgpu.load(bias_ref[0].at[e, pl.ds(n0, block_n)]).astype(jnp.float32)[None, :]
     weight = plgpu.load(weights_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0).astype(jnp.float32)
     cols = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     # padding rows point past the end too, so that interpret mode's scatter drops them as well
@@ -197,9 +226,10 @@ def tile_rows(pairs: int, num_experts: int) -> int:
     return min(64, max(16, next_power_of_2(-(-pairs // num_experts))))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", *TUNING_ARGS))
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                   interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret", *TUNING_ARGS))
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
+                   gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None, *,
+                   swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
     """Pallas version of ``routed_experts_reference`` (same arguments; the result within the
     rounding of its products, which the kernel keeps in f32 and rounds once): reads only the
@@ -208,6 +238,11 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     of 128, 64, 32, 16 that divide them), ``num_stages`` software-pipelined steps (default: up to
     3, as many as shared memory holds)."""
     check_routed_experts_args(x, experts, weights, gate_up, down)
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (gate_up.shape[0], gate_up.shape[2])),
+                              ("down_bias", down_bias, (down.shape[0], down.shape[2]))):
+        if bias is not None and bias.shape != shape:
+            raise ValueError(f"{name} must be [E, {'2I' if name == 'gate_up_bias' else 'H'}] = {list(shape)}, "
+                             f"got {list(bias.shape)}")
     block_m = tile_rows(experts.size, gate_up.shape[0]) if block_m is None else block_m
     if not (is_power_of_2(block_m) and block_m >= 16):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
@@ -239,10 +274,13 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
             name=name,
         )(*operands)
 
-    h = call(functools.partial(_gate_up_kernel, top_k=top_k), (rows, tile_expert, x, gate_up), num_tiles * block_m,
-             width, hidden, x.dtype, "routed_experts_gate_up", 2)
-    out = call(_down_kernel, (rows, tile_expert, weights.reshape(-1), h, down), n * top_k, hidden, width,
-               jnp.float32, "routed_experts_down", 1)
+    gate_up_kernel = functools.partial(_gate_up_kernel, top_k=top_k, swiglu_limit=swiglu_limit,
+                                       swiglu_alpha=swiglu_alpha)
+    h = call(gate_up_kernel, (rows, tile_expert, x, gate_up) + (() if gate_up_bias is None else (gate_up_bias,)),
+             num_tiles * block_m, width, hidden, x.dtype, "routed_experts_gate_up", 2)
+    out = call(_down_kernel, (rows, tile_expert, weights.reshape(-1), h, down)
+               + (() if down_bias is None else (down_bias,)), n * top_k, hidden, width, jnp.float32,
+               "routed_experts_down", 1)
     # a pair of expert -1 has no row: its output row was never written
     out = jnp.where((experts >= 0)[..., None], out.reshape(n, top_k, hidden), 0.0)
     return out.sum(axis=1).astype(x.dtype)

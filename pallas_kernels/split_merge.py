@@ -34,11 +34,17 @@ from pallas_kernels.tuning import check_launch, check_positive, is_power_of_2, n
 ELEMENTS_PER_PROGRAM = 8192
 
 
-def combine_splits_reference(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """o [S, ..., D] (normalized rows of each split), lse [S, ...] f32 log2-sum-exp -> [..., D]."""
+def combine_splits_reference(o: jax.Array, lse: jax.Array, sink: jax.Array | None = None) -> jax.Array:
+    """o [S, ..., D] (normalized rows of each split), lse [S, ...] f32 log2-sum-exp -> [..., D].
+    ``sink`` (broadcast against lse[0]; log2 units): one more term of the normaliser that adds
+    nothing to the rows (gpt-oss's attention sinks)."""
     top = jnp.max(lse, axis=0)
+    if sink is not None:
+        top = jnp.maximum(top, sink)
     weights = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     denom = jnp.sum(weights, axis=0)
+    if sink is not None:
+        denom = denom + jnp.exp2(sink - jnp.where(jnp.isfinite(top), top, 0.0))
     out = jnp.sum(weights[..., None] * o.astype(jnp.float32), axis=0)
     return (out / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(o.dtype)
 

@@ -35,11 +35,14 @@ _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_t", "pages_per_block", "num_splits", "num_warps", "num_stages", "pallas_merge")
 
 
-def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                         sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention with an explicit mask, grouped-query heads, f32 statistics.
 
     q: [B, T, Hq, D]; k, v: [B, K, Hkv, D]; visible: [B, T, K] bool. Rows with nothing visible
     return zeros. Invisible keys may hold anything (NaN included): they never reach the output.
+    ``sinks`` [Hq] (gpt-oss): a learned logit per query head that joins every row's softmax as a
+    key with no value (its weight enters the normaliser only; in scaled-score units).
     """
     batch, num_q, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -52,8 +55,13 @@ def masked_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.
     mask = visible[:, None, None, :, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
     weights = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0)), 0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
     weights = weights / jnp.where(denom > 0, denom, 1)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
     return out.reshape(batch, num_q, q_heads, head_dim).astype(q.dtype)
@@ -68,10 +76,11 @@ def check_sliding_window(sliding_window) -> None:
 
 def paged_verify_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                      page_table: jax.Array, start: jax.Array, *,
-                                     sliding_window: int | None = None) -> jax.Array:
-    """q [B, T, Hq, D]; k/v_pages [P, S, Hkv, D]; page_table [B, pages_per_seq]; start [B].
-    Page ids must lie in [0, P) wherever a query can see them (the kernels never read outside
-    the pages, but give unspecified values for other ids)."""
+                                     sliding_window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """q [B, T, Hq, D]; k/v_pages [P, S, Hkv, D]; page_table [B, pages_per_seq]; start [B];
+    sinks [Hq] or None (``masked_gqa_attention``). Page ids must lie in [0, P) wherever a query
+    can see them (the kernels never read outside the pages, but give unspecified values for
+    other ids)."""
     check_sliding_window(sliding_window)
     keys = gather_pages(k_pages, page_table)
     values = gather_pages(v_pages, page_table)
@@ -80,7 +89,7 @@ def paged_verify_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     visible = k_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         visible &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
-    return masked_gqa_attention(q, keys, values, visible)
+    return masked_gqa_attention(q, keys, values, visible, sinks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,13 +293,15 @@ def choose_blocks(q, k_pages, page_table, extra_smem_bytes: int = 0, **tuning) -
 
 
 def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, block_kv,
-                         blocks: AttentionBlocks, *, interpret: bool, name: str) -> jax.Array:
+                         blocks: AttentionBlocks, *, interpret: bool, name: str,
+                         sinks: jax.Array | None = None) -> jax.Array:
     """Launch a paged attention kernel over grid (split, query tile, sequence, KV head).
 
     Kernel refs, in order: one [batch] ref per ``seq_scalars`` array, the page table row
     [pages_per_seq], the query tile source [T, group, D], k/v pages [P, S, D] of one head, one
     [T_kv, D] ref per ``block_kv`` array ([B, T_kv, Hkv, D]), the output [T, group, D] and, when
-    the context is split, the log2-sum-exp [T, group].
+    the context is split or there are ``sinks`` [Hq], the log2-sum-exp [T, group]. Sinks enter
+    in the merge, as one more split of weight 2^(sink log2 e) and no value (XLA's merge).
     """
     batch, q_len, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
@@ -306,7 +317,7 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
     kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, i, b, h: (0, 0, h, 0))
     block_specs = [pl.BlockSpec((None, x.shape[1], None, head_dim), lambda s, i, b, h: (b, 0, h, 0))
                    for x in block_kv]
-    if splits == 1:
+    if splits == 1 and sinks is None:
         out_shape = [jax.ShapeDtypeStruct(q5.shape, q.dtype)]
         out_specs = [q_spec]
     else:
@@ -330,7 +341,11 @@ def paged_attention_call(kernel, q, k_pages, v_pages, page_table, seq_scalars, b
         interpret=interpret,
         name=name,
     )(*[x.astype(jnp.int32) for x in seq_scalars], page_table, q5, k_pages, v_pages, *block_kv)
-    if splits == 1:
+    if sinks is not None:
+        per_group = sinks.astype(jnp.float32).reshape(kv_heads, q_heads // kv_heads) * math.log2(math.e)
+        per_group = jnp.pad(per_group, ((0, 0), (0, group - per_group.shape[1])), constant_values=-jnp.inf)
+        out = combine_splits_reference(*outs, sink=per_group)
+    elif splits == 1:
         out = outs[0]
     elif blocks.pallas_merge:
         out = combine_splits(*outs, interpret=interpret)
@@ -369,8 +384,8 @@ def _verify_kernel(start_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs, q_l
 @functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", *TUNING_ARGS))
 def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, start: jax.Array, *,
-                           sliding_window: int | None = None, interpret: bool = False,
-                           block_t: int | None = None, pages_per_block: int | None = None,
+                           sliding_window: int | None = None, sinks: jax.Array | None = None,
+                           interpret: bool = False, block_t: int | None = None, pages_per_block: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pallas_merge: bool | None = None) -> jax.Array:
     """Pallas version of ``paged_verify_attention_reference`` (same arguments and result).
@@ -388,4 +403,4 @@ def paged_verify_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                pages_per_block=blocks.pages_per_block,
                                num_splits=blocks.num_splits, sliding_window=sliding_window)
     return paged_attention_call(kernel, q, k_pages, v_pages, page_table, [start], [], blocks,
-                                interpret=interpret, name="paged_verify_attention")
+                                interpret=interpret, name="paged_verify_attention", sinks=sinks)

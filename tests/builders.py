@@ -93,6 +93,17 @@ def qwen3_moe_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_hea
                           attn_implementation="eager")
 
 
+def gpt_oss_config(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int = 8,
+                   experts: int = 4, top_k: int = 2, expert_width: int = 16, sliding_window: int = 4):
+    """A GptOssConfig (its YaRN default, layers alternating a window and full attention)."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim, num_local_experts=experts,
+                        num_experts_per_tok=top_k, intermediate_size=expert_width, sliding_window=sliding_window,
+                        max_position_embeddings=131072, attn_implementation="eager")
+
+
 def hybrid_text_fields(*, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int = 16,
                        intermediate: int | None = None, tie: bool = False, rope_theta: float = 1e4,
                        partial_rotary: float = 0.25, layer_types=None, linear_heads=(2, 4), linear_dims=(16, 16),
@@ -144,7 +155,8 @@ def hybrid_config(family: str, **arch):
 HYBRID_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
                  "qwen3_5_release": "Qwen3_5ForConditionalGeneration",
                  "qwen3_5_moe_release": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM"}
-FAMILY_CONFIGS = {"qwen3": qwen3_config, "llama": llama_config, "qwen3_moe": qwen3_moe_config}
+FAMILY_CONFIGS = {"qwen3": qwen3_config, "llama": llama_config, "qwen3_moe": qwen3_moe_config,
+                  "gpt_oss": gpt_oss_config}
 
 
 def decoder_layers(model):
@@ -550,3 +562,16 @@ def speculators_draft_folder(directory: Path, *, draft_vocab: int | None = 64, s
         tensors["t2d"] = t2d
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def train_briefly(target, config, folder: Path, *, vocab: int):
+    """Three f32 steps of ``train_draft`` for ``target`` on 16 random rows of 32 token ids below
+    ``vocab``, exported to ``folder``; returns what ``train_draft`` returns."""
+    from dflash_jax import data, train_draft
+    from dflash_jax.train_target import OptimConfig
+
+    rows = data.TokenRows(np.random.default_rng(0).integers(0, vocab, (16, 32)).astype(np.int32),
+                          np.ones((16, 32), bool))
+    recipe = train_draft.DraftTrainConfig(optim=OptimConfig(steps=3, lr=1e-3), num_anchors=4, batch_size=2,
+                                          compute_dtype="float32", save_every=10)
+    return train_draft.train_draft(target, rows, folder, config, recipe, export_dtype="float32")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from builders import LLAMA3_TEST_ROPE, edit_config, make_target, save_target
+from builders import LLAMA3_TEST_ROPE, edit_config, make_target, save_target, train_briefly
 from checkpoints_convert import convert, export_target
 from dflash_jax import families
 from dflash_jax.checkpoint import CheckpointError
@@ -170,6 +170,9 @@ FAMILY_FOLDERS = {
     "qwen3_5_release": dict(family="qwen3_5_release", vocab=64, hidden=32, layers=4, heads=2, kv_heads=1, std=0.1),
     "qwen3_next": dict(family="qwen3_next", vocab=64, hidden=32, layers=4, heads=2, kv_heads=1, linear_heads=(2, 4),
                        experts=4, top_k=2, expert_width=16, mlp_only_layers=[1], std=0.1),
+    # sinks, biases everywhere, interleaved gate|up experts (stacked, [in, out])
+    "gpt_oss": dict(family="gpt_oss", vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4,
+                    top_k=2, expert_width=16),
 }
 
 
@@ -279,8 +282,7 @@ def test_train_a_draft_for_a_moe_target_and_the_reference_runs_it(tmp_path, monk
     import dflash.model as reference
     from dflash.model import DFlashDraftModel
 
-    from dflash_jax import data, train_draft
-    from dflash_jax.train_target import OptimConfig
+    from dflash_jax import train_draft
 
     monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)
     hf = make_target(seed=5, std=0.3, **{**FAMILY_FOLDERS["qwen3_moe"], "vocab": 96})
@@ -293,11 +295,7 @@ def test_train_a_draft_for_a_moe_target_and_the_reference_runs_it(tmp_path, monk
         dataclasses.replace(layer, ffn=target.config.layers[0].ffn) for layer in target.config.layers))
     assert train_draft.new_draft_config(all_sparse, num_layers=1, block_size=4, mask_token_id=95
                                         ).model.intermediate_size == 2 * 16  # top_k x expert width
-    rows = data.TokenRows(np.random.default_rng(0).integers(0, 95, (16, 32)).astype(np.int32),
-                          np.ones((16, 32), bool))
-    recipe = train_draft.DraftTrainConfig(optim=OptimConfig(steps=3, lr=1e-3), num_anchors=4, batch_size=2,
-                                          compute_dtype="float32", save_every=10)
-    draft = train_draft.train_draft(target, rows, tmp_path / "draft", config, recipe, export_dtype="float32")
+    draft = train_briefly(target, config, tmp_path / "draft", vocab=95)
     exported = load_draft(tmp_path / "draft", target, "float32")
     ref_draft = DFlashDraftModel.from_pretrained(tmp_path / "draft", dtype=torch.float32).eval()
     prompt = list(range(10, 22))
@@ -485,7 +483,7 @@ def test_a_llama_checkpoint_that_lacks_its_biases_is_named(tmp_path):
 # The command line on each family
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5_release"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5_release", "gpt_oss"])
 def test_generate_cli_runs_each_family(family, tmp_path, capsys):
     """``python -m dflash_jax.generate`` on a LLaMA, a Qwen3-MoE and a Qwen3.5 release target
     (with the embedded model's tokenizer, and a draft for them): DFlash output identical to plain

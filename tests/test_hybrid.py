@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from builders import make_copy_draft, make_copy_target, make_target, save_draft, save_target
+from builders import make_copy_draft, make_copy_target, make_target, save_draft, save_target, train_briefly
 from dflash_jax import target as target_model
 from dflash_jax.cache import allocate_pages, init_cache
 from dflash_jax.generate import generate
@@ -194,8 +194,7 @@ def test_train_a_draft_for_a_hybrid_target(tmp_path):
     cache-free DFlash, gives our tokens and acceptance lengths."""
     from dflash.model import DFlashDraftModel
 
-    from dflash_jax import data, train_draft
-    from dflash_jax.train_target import OptimConfig
+    from dflash_jax import train_draft
 
     hf = make_target(seed=6, std=0.1, family="qwen3_5_release", vocab=96, hidden=32, layers=4, heads=2, kv_heads=1)
     target = load_target(save_target(hf, tmp_path / "target"), "float32")
@@ -203,11 +202,7 @@ def test_train_a_draft_for_a_hybrid_target(tmp_path):
                                           target_layer_ids=(0, 3))
     attention = config.model.attention
     assert not attention.output_gate and attention.rope.rotary_dim == attention.head_dim == 16
-    rows = data.TokenRows(np.random.default_rng(0).integers(0, 95, (16, 32)).astype(np.int32),
-                          np.ones((16, 32), bool))
-    recipe = train_draft.DraftTrainConfig(optim=OptimConfig(steps=3, lr=1e-3), num_anchors=4, batch_size=2,
-                                          compute_dtype="float32", save_every=10)
-    train_draft.train_draft(target, rows, tmp_path / "draft", config, recipe, export_dtype="float32")
+    train_briefly(target, config, tmp_path / "draft", vocab=95)
     draft = load_draft(tmp_path / "draft", target, "float32")
     ref_draft = DFlashDraftModel.from_pretrained(tmp_path / "draft", dtype=torch.float32).eval()
     prompt = list(range(10, 22))

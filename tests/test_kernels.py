@@ -21,6 +21,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import tuning as pk_tuning
 from pallas_kernels.fused_matmul import matmul_blocks
+from pallas_kernels.verify_attention import masked_gqa_attention
 
 F32_TOL = 1e-5
 LOW_TOL = 1e-2  # bf16 / f16: relative L2 error
@@ -112,23 +113,61 @@ VERIFY_CASES = [
      ("f32", 3, 64, 32, 20, 37, {"num_splits": 3})]
 
 
-@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_verify_attention(case, interpret, check):
+# Attention sinks (gpt-oss): a per-head logit in every row's normaliser. The kernel writes its
+# log-sum-exp and the sink enters in the merge, with one split or several; windows, padded groups,
+# decode, verify and prefill tiles; sinks large enough to dominate some rows.
+SINK_CASES = [("f32", 4, 64, 16, None, 1, {}), ("f32", 2, 64, 16, 6, 16, {"num_splits": 3}),
+              ("bf16", 8, 64, 32, 20, 37, {"block_t": 16}), ("f32", 5, 64, 16, 4, 5, {"num_splits": 2}),
+              ("bf16", 4, 128, 16, None, 16, {"num_splits": 1})]
+
+
+
+@pytest.mark.parametrize("case, with_sinks", [(c, False) for c in VERIFY_CASES] + [(c, True) for c in SINK_CASES],
+                         ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else ("sinks" if c else "plain"))
+def test_verify_attention(case, with_sinks, interpret, check):
     dtype, group, head_dim, page_size, window, q_len, tuning = case
     dtype = DTYPES[dtype]
-    rng = _rng("verify", case)
+    rng = _rng("verify", case, with_sinks)
     kv_heads = 2
     lens = [q_len, max(q_len, 2 * page_size), int(rng.integers(q_len, 3 * page_size + q_len))]
     pages_per_seq = -(-max(lens) // page_size) + 1
     k, v, table = make_cache(rng, lens, pages_per_seq=pages_per_seq, page_size=page_size,
                              kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     q = jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads * group, head_dim)), dtype)
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, kv_heads * group), dtype) if with_sinks else None
     start = jnp.asarray(lens, jnp.int32) - q_len
-    out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window,
+    out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window, sinks=sinks,
                                     interpret=interpret, **tuning)
     ref = _reference(pk.paged_verify_attention_reference, q, k, v, table, start,
-                     sliding_window=window)
+                     sliding_window=window, sinks=sinks)
     check(out, ref, dtype)
+    if with_sinks:  # the sinks move the rows (the comparison above could fail without them)
+        plain = _reference(pk.paged_verify_attention_reference, q, k, v, table, start, sliding_window=window)
+        assert not np.allclose(np.asarray(ref, np.float32), np.asarray(plain, np.float32), atol=1e-3)
+
+
+def test_sink_reference_is_transformers_eager_formula():
+    """gpt-oss's eager attention: the sink is one more score column, the softmax is taken over
+    keys and sink together, and the sink's column is dropped (its weight has no value)."""
+    rng = _rng("sink-formula")
+    b, t, kv_heads, group, d, keys = 2, 3, 2, 3, 8, 7
+    q = rng.standard_normal((b, t, kv_heads * group, d)).astype(np.float32)
+    k = rng.standard_normal((b, keys, kv_heads, d)).astype(np.float32)
+    v = rng.standard_normal((b, keys, kv_heads, d)).astype(np.float32)
+    sinks = rng.normal(0, 2, kv_heads * group).astype(np.float32)
+    visible = rng.random((b, t, keys)) < 0.7
+    visible[:, :, 0] = True
+    out = masked_gqa_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(visible),
+                                  jnp.asarray(sinks))
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d)
+    scores = np.where(visible[:, None], scores, -np.inf)
+    column = np.broadcast_to(sinks[None, :, None, None], (b, kv_heads * group, t, 1))
+    both = np.concatenate([scores, column], axis=-1)
+    weights = np.exp(both - both.max(-1, keepdims=True))
+    weights = (weights / weights.sum(-1, keepdims=True))[..., :-1]
+    expected = np.einsum("bhts,bshd->bthd", weights, vv)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,6 +487,40 @@ def test_routed_experts(case, interpret, check):
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
+@pytest.mark.parametrize("case", [c for c in EXPERT_CASES if c[0] != "f16"][:4] + [EXPERT_CASES[5]],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_routed_experts_with_biases_and_clamped_swiglu(case, interpret, check):
+    """gpt-oss's experts: biases on both projections and the clamped SwiGLU, with values large
+    enough that the clamp at 7 cuts some; the reference against the formula written out per pair."""
+    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing = case
+    dtype = DTYPES[dtype]
+    rng = _rng("experts-gpt-oss", case)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    experts = jnp.asarray(_routing(rng, tokens, top_k, num_experts, routing), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
+    gate_up = jnp.asarray(rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
+    down = jnp.asarray(0.1 * rng.standard_normal((num_experts, width, hidden)), dtype)
+    gate_up_bias = jnp.asarray(rng.normal(0, 2, (num_experts, 2 * width)), dtype)
+    down_bias = jnp.asarray(rng.normal(0, 1, (num_experts, hidden)), dtype)
+    kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
+    args = (x, experts, weights, gate_up, down, gate_up_bias, down_bias)
+    out = pk.routed_experts(*args, interpret=interpret, block_m=block_m, **kw)
+    ref = _reference(pk.routed_experts_reference, *args, **kw)
+    check(out, ref, dtype)
+    if dtype == jnp.float32:
+        xs, gu, dn = (np.asarray(a, np.float64) for a in (x, gate_up, down))
+        expected = np.zeros((tokens, hidden))
+        for n in range(tokens):
+            for j in range(top_k):
+                e = int(experts[n, j])
+                h = xs[n] @ gu[e] + np.asarray(gate_up_bias[e], np.float64)
+                gate, up = np.minimum(h[:width], 7.0), np.clip(h[width:], -7.0, 7.0)
+                a = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+                expected[n] += float(weights[n, j]) * (a @ dn[e] + np.asarray(down_bias[e], np.float64))
+        np.testing.assert_allclose(np.asarray(ref, np.float64), expected, rtol=1e-4, atol=1e-4)
+        assert np.abs(np.asarray(x) @ np.asarray(gate_up)).max() > 7  # the clamp cut something
+
+
 @pytest.mark.parametrize("case", [c for c in EXPERT_CASES if c[0] != "f16"], ids=lambda c: "-".join(map(str, c)))
 def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, check):
     """Pairs marked -1 (under expert parallelism, routed to another device's experts) add nothing:
@@ -638,6 +711,9 @@ LOWERINGS = {
     "prefill": (pk.paged_verify_attention, _attention_shapes(batch=1, q_len=1000), {}),
     "verify_f32": (pk.paged_verify_attention, _attention_shapes(dtype=jnp.float32), {}),
     "verify_group_5": (pk.paged_verify_attention, _attention_shapes(q_heads=40), {}),
+    "verify_sinks_window": (lambda q, k, v, t, s, sinks: pk.paged_verify_attention(q, k, v, t, s, sliding_window=128,
+                                                                                   sinks=sinks),
+                            (*_attention_shapes(q_heads=64, head_dim=64), S((64,), BF)), {}),
     "draft": (pk.paged_draft_attention, _draft_shapes(), {}),
     "draft_causal_window": (pk.paged_draft_attention, _draft_shapes(batch=32),
                             {"causal": True, "sliding_window": 32}),
@@ -668,6 +744,9 @@ LOWERINGS = {
     "routed_experts_verify_f32": (pk.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
                                                       S((16, 4), jnp.float32), S((8, 256, 128), jnp.float32),
                                                       S((8, 64, 256), jnp.float32)), {"block_m": 32}),
+    "routed_experts_gpt_oss": (functools.partial(pk.routed_experts, swiglu_limit=7.0),
+                               (S((4, 128), BF), S((4, 4), jnp.int32), S((4, 4), BF), S((32, 128, 256), BF),
+                                S((32, 128, 128), BF), S((32, 256), BF), S((32, 128), BF)), {}),
     "combine_splits": (pk.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),

@@ -12,8 +12,8 @@ import functools
 from typing import Any, Callable
 
 from dflash_jax.config import ModelConfig
-from dflash_jax.families import llama, qwen3, qwen3_5, qwen3_moe
-from dflash_jax.families.tensors import LLAMA_STYLE, TensorNames
+from dflash_jax.families import gpt_oss, llama, qwen3, qwen3_5, qwen3_moe
+from dflash_jax.families.tensors import GPT_OSS, LLAMA_STYLE, TensorNames
 from dflash_jax.hf_json import ConfigError, architectures
 
 
@@ -60,6 +60,7 @@ FAMILIES = (
             "qwen3_5_moe", HYBRID_RELEASE, text_model_type="qwen3_5_moe_text"),
     _hybrid("qwen3_next", "Qwen3-Next", "qwen3_next", "Qwen3NextForCausalLM", "qwen3_next",
             dataclasses.replace(HYBRID, linear_fused=True)),
+    Family("gpt_oss", "gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.parse, gpt_oss.export_fields, GPT_OSS),
 )
 
 

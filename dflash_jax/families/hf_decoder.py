@@ -91,6 +91,21 @@ def layer_kinds(raw: dict, where: str, layers: int, window: int | None, *,
     return [(kind, window if kind == "sliding_attention" else None) for kind in layer_types]
 
 
+def num_experts(raw: dict, where: str) -> int:
+    """The expert count is required: a MoE config without it is not one this library can trust
+    (transformers would fill in Qwen3-30B-A3B's 128 and fail on the weights). 0, as in
+    transformers, makes every layer dense."""
+    given = {name: field(raw, name, where, int) for name in ("num_experts", "num_local_experts")
+             if raw.get(name) is not None}
+    if not given:
+        raise ConfigError(f"{where}: required field 'num_experts' (or num_local_experts) is missing "
+                          "(a MoE config names its expert count)")
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"{where}: num_experts {given['num_experts']} and num_local_experts "
+                          f"{given['num_local_experts']} disagree (one is the other's alias): keep one")
+    return next(iter(given.values()))
+
+
 def sparse_layers(raw: dict, where: str, layers: int, num_experts: int) -> list[bool]:
     """Which layers route experts, as transformers' Qwen3-MoE and Qwen3-Next read it: every
     ``decoder_sparse_step``-th, except ``mlp_only_layers``, none without experts."""

@@ -16,21 +16,6 @@ from dflash_jax.nn.moe import MoESpec
 MAX_POSITION_DEFAULT = 32768
 
 
-def _num_experts(raw: dict, where: str) -> int:
-    """The expert count is required: a MoE config without it is not one this library can trust
-    (transformers would fill in Qwen3-30B-A3B's 128 and fail on the weights). 0, as in
-    transformers, makes every layer dense."""
-    given = {name: field(raw, name, where, int) for name in ("num_experts", "num_local_experts")
-             if raw.get(name) is not None}
-    if not given:
-        raise ConfigError(f"{where}: required field 'num_experts' (or num_local_experts) is missing "
-                          "(a MoE config names its expert count)")
-    if len(set(given.values())) > 1:
-        raise ConfigError(f"{where}: num_experts {given['num_experts']} and num_local_experts "
-                          f"{given['num_local_experts']} disagree (one is the other's alias): keep one")
-    return next(iter(given.values()))
-
-
 def parse(raw: dict, where: str) -> ModelConfig:
     hf_decoder.check_runnable(raw, where)
     layers = hf_decoder.num_layers(raw, where)
@@ -41,7 +26,7 @@ def parse(raw: dict, where: str) -> ModelConfig:
     attention = dataclasses.replace(
         hf_decoder.attention(raw, where, head_dim_default=None, kv_heads_absent=4, qk_norm=True,
                              max_position=fields["max_position_embeddings"]), sliding_window=window)
-    num_experts = _num_experts(raw, where)
+    num_experts = hf_decoder.num_experts(raw, where)
     sparse = hf_decoder.sparse_layers(raw, where, layers, num_experts)
     moe = MoESpec(num_experts=num_experts, top_k=field(raw, "num_experts_per_tok", where, int),
                   intermediate_size=field(raw, "moe_intermediate_size", where, int),

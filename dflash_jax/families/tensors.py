@@ -59,7 +59,9 @@ class TensorNames:
     """A family's HF tensor names and layout facts (LLaMA-style by default: Qwen3, LLaMA and
     Qwen3-MoE share them). ``layer`` takes the layer index; ``expert`` the expert index.
     ``linear_fused``: Gated DeltaNet's projections are Qwen3-Next's in_proj_qkvz / in_proj_ba,
-    interleaved per key head. ``ignored``: name prefixes of tensors this library does not use
+    interleaved per key head. ``interleaved_experts``: gpt-oss's experts, stacked as [E, H, 2I]
+    and [E, I, H] ([in, out], not torch's [out, in]) with gate and up columns alternating, and
+    biases. ``ignored``: name prefixes of tensors this library does not use
     (a release's vision tower, its multi-token-prediction head)."""
 
     embed: str = "model.embed_tokens.weight"
@@ -77,6 +79,7 @@ class TensorNames:
     shared_expert: str = "mlp.shared_expert."
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
     linear_fused: bool = False
+    interleaved_experts: bool = False
     ignored: tuple[str, ...] = ()
 
     def is_ignored(self, name: str) -> bool:
@@ -84,6 +87,7 @@ class TensorNames:
 
 
 LLAMA_STYLE = TensorNames()
+GPT_OSS = dataclasses.replace(LLAMA_STYLE, router="mlp.router.weight", interleaved_experts=True)
 DRAFT = dataclasses.replace(LLAMA_STYLE, layer="layers.{}.")  # z-lab drafts: no ``model.`` prefix
 
 
@@ -120,6 +124,8 @@ def _attention_slots(attn: AttentionSpec, hidden: int, at: tuple, a: str, names:
             raise ValueError("biased gated attention has no HF layout here")
         slots.update(_fused(a, tuple(f"{p}.bias" for p in qkv), widths, at + ("qkv_bias",), None))
         slots[f"{a}o_proj.bias"] = Slot(at + ("o_bias",), (h,))
+    if attn.sinks:
+        slots[f"{a}sinks"] = Slot(at + ("sinks",), (attn.num_heads,))
     return slots
 
 
@@ -149,11 +155,27 @@ def _linear_attention_slots(spec: GatedDeltaNetSpec, hidden: int, at: tuple, a: 
     return slots
 
 
+def interleaved(width: int) -> tuple[tuple[int, int], ...]:
+    """Columns of a gate | up leaf [.., 2 width] that alternating gate, up columns fill."""
+    return tuple(r for j in range(width) for r in ((j, j + 1), (width + j, width + j + 1)))
+
+
 def _moe_slots(ffn: MoESpec, hidden: int, ft: tuple, prefix: str, names: TensorNames,
                stacked_experts: bool) -> dict[str, Slot]:
-    h, i = hidden, ffn.intermediate_size
-    slots = {prefix + names.router: Slot(ft + ("router",), (ffn.num_experts, h), True)}
-    if stacked_experts:  # one [E, 2I, H] and one [E, H, I] tensor (transformers 5's own layout)
+    h, i, e = hidden, ffn.intermediate_size, ffn.num_experts
+    slots = {prefix + names.router: Slot(ft + ("router",), (e, h), True)}
+    if ffn.bias:
+        slots[prefix + names.router.removesuffix("weight") + "bias"] = Slot(ft + ("router_bias",), (e,))
+    if names.interleaved_experts:
+        x, alternating = prefix + names.stacked_experts, interleaved(i)
+        slots[f"{x}gate_up_proj"] = Slot(ft + ("gate_up_proj",), (e, h, 2 * i), columns=alternating)
+        slots[f"{x}down_proj"] = Slot(ft + ("down_proj",), (e, i, h))
+        if ffn.bias:
+            slots[f"{x}gate_up_proj_bias"] = Slot(ft + ("gate_up_bias",), (e, 2 * i), columns=alternating)
+            slots[f"{x}down_proj_bias"] = Slot(ft + ("down_bias",), (e, h))
+    elif ffn.bias:
+        raise ValueError("biased experts have an HF layout here only as gpt-oss's")
+    elif stacked_experts:  # one [E, 2I, H] and one [E, H, I] tensor (transformers 5's own layout)
         x = prefix + names.stacked_experts
         slots[f"{x}gate_up_proj"] = Slot(ft + ("gate_up_proj",), (ffn.num_experts, 2 * i, h), True)
         slots[f"{x}down_proj"] = Slot(ft + ("down_proj",), (ffn.num_experts, h, i), True)

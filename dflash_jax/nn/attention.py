@@ -27,7 +27,8 @@ class AttentionSpec:
     none). ``bias``: the q/k/v and o projections carry biases. ``sliding_window``: keys at most
     this many positions back (None: full attention). ``output_gate``: the q projection also
     yields a per-head gate, and the attention output is multiplied by its sigmoid before o_proj
-    (Qwen3.5's gated attention)."""
+    (Qwen3.5's gated attention). ``sinks``: a learned logit per query head joins the softmax's
+    normaliser as a key without a value (gpt-oss)."""
 
     num_heads: int
     num_kv_heads: int
@@ -37,6 +38,7 @@ class AttentionSpec:
     bias: bool = False
     sliding_window: int | None = None
     output_gate: bool = False
+    sinks: bool = False
 
     def __post_init__(self):
         if min(self.num_heads, self.num_kv_heads, self.head_dim) < 1:
@@ -81,6 +83,7 @@ class AttentionParams:
     k_norm: jax.Array | None = None       # [D]
     qkv_bias: jax.Array | None = None     # [(Hq + 2*Hkv)*D]
     o_bias: jax.Array | None = None       # [H]
+    sinks: jax.Array | None = None        # [Hq]
 
     @property
     def q_size(self) -> int:
@@ -89,14 +92,16 @@ class AttentionParams:
 
 
 def init_attention(spec: AttentionSpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> AttentionParams:
-    """Random weights (normal(0, scale)), unit norms, zero biases: for tests and benchmarks."""
+    """Random weights (normal(0, scale)), unit norms, zero biases and sinks: for tests and
+    benchmarks."""
     qkv_width = spec.projection_width
     k_qkv, k_o = jax.random.split(key)
     norm = lambda: jnp.ones((spec.head_dim,), dtype) if spec.qk_norm else None  # noqa: E731
     bias = lambda n: jnp.zeros((n,), dtype) if spec.bias else None  # noqa: E731
     return AttentionParams(qkv_proj=normal(k_qkv, (hidden, qkv_width), dtype, scale),
                            o_proj=normal(k_o, (spec.q_size, hidden), dtype, scale),
-                           q_norm=norm(), k_norm=norm(), qkv_bias=bias(qkv_width), o_bias=bias(hidden))
+                           q_norm=norm(), k_norm=norm(), qkv_bias=bias(qkv_width), o_bias=bias(hidden),
+                           sinks=jnp.zeros((spec.num_heads,), dtype) if spec.sinks else None)
 
 
 def project_qkv(x: jax.Array, params: AttentionParams, input_norm: jax.Array, eps: float, impl: str) -> jax.Array:
@@ -138,7 +143,7 @@ def paged_causal(qkv: jax.Array, params: AttentionParams, spec: AttentionSpec, p
         qkv_part(qkv, spec), params.q_norm, params.k_norm, cos, sin, positions, k_pages, v_pages, page_table,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=eps, impl=impl)
     out = ops.verify_attention(q, k_pages, v_pages, page_table, positions[:, 0],
-                               sliding_window=spec.sliding_window, impl=impl)
+                               sliding_window=spec.sliding_window, sinks=params.sinks, impl=impl)
     return out, k_pages, v_pages
 
 

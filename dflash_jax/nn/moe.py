@@ -1,7 +1,7 @@
-"""The mixture-of-experts feed-forward block (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): a softmax router
-picks ``top_k`` of ``num_experts`` SwiGLU experts per token, whose outputs are summed with the
-router's weights; the Qwen3.5 / Qwen3-Next variants add a shared SwiGLU expert scaled by a sigmoid
-gate.
+"""The mixture-of-experts feed-forward block (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, gpt-oss): a
+softmax router picks ``top_k`` of ``num_experts`` SwiGLU experts per token, whose outputs are
+summed with the router's weights; the Qwen3.5 / Qwen3-Next variants add a shared SwiGLU expert
+scaled by a sigmoid gate; gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
 The experts run as a grouped matmul over (token, expert) pairs sorted by expert (``ops``)."""
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ class MoESpec:
     """``num_experts`` experts of width ``intermediate_size`` (HF ``moe_intermediate_size``),
     ``top_k`` per token (``num_experts_per_tok``). Routing: softmax over all experts in f32,
     the top k, renormalised to sum 1 when ``norm_topk_prob``. ``shared_intermediate_size``: the
-    width of a shared expert every token runs (None: none)."""
+    width of a shared expert every token runs (None: none). ``bias``: the router and both expert
+    projections carry biases. ``swiglu_limit``: gpt-oss's clamped SwiGLU, (clip(up, +-limit) + 1)
+    * g * sigmoid(swiglu_alpha * g) with g = min(gate, limit) (None: silu(gate) * up)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool = False
     shared_intermediate_size: int | None = None
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -55,11 +60,15 @@ class MoEParams:
     down_proj: jax.Array                   # [E, I, H]
     shared: MLPParams | None = None        # gate_up [H, 2*S], down [S, H]
     shared_gate: jax.Array | None = None   # [H, 1]
+    router_bias: jax.Array | None = None   # [E]
+    gate_up_bias: jax.Array | None = None  # [E, 2*I]
+    down_bias: jax.Array | None = None     # [E, H]
 
 
 def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> MoEParams:
-    """Random weights (normal(0, scale)): for tests and benchmarks."""
+    """Random weights (normal(0, scale)), zero biases: for tests and benchmarks."""
     e, i = spec.num_experts, spec.intermediate_size
+    zeros = lambda *shape: jnp.zeros(shape, dtype) if spec.bias else None  # noqa: E731
     keys = jax.random.split(key, 5)
     shared = shared_gate = None
     if spec.shared_intermediate_size is not None:
@@ -67,13 +76,18 @@ def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0
         shared_gate = normal(keys[4], (hidden, 1), dtype, scale)
     return MoEParams(router=normal(keys[0], (hidden, e), dtype, scale),
                      gate_up_proj=normal(keys[1], (e, hidden, 2 * i), dtype, scale),
-                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale), shared=shared, shared_gate=shared_gate)
+                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale), shared=shared, shared_gate=shared_gate,
+                     router_bias=zeros(e), gate_up_bias=zeros(e, 2 * i), down_bias=zeros(e, hidden))
 
 
-def route(h: jax.Array, router: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, router: jax.Array, spec: MoESpec,
+          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(experts [N, k] int32, weights [N, k] in h's dtype) of tokens h [N, H], as transformers'
-    router: logits in h's dtype, softmax in f32, top k, renormalised when ``norm_topk_prob``."""
+    router: logits (+ bias) in h's dtype, softmax in f32, top k, renormalised when
+    ``norm_topk_prob`` (gpt-oss's softmax over the top k logits is the same numbers)."""
     logits = h @ router
+    if router_bias is not None:
+        logits = logits + router_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, spec.top_k)
     if spec.norm_topk_prob:
@@ -97,11 +111,16 @@ def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Arr
     experts, skipping the pairs routed elsewhere. The routed and shared partial sums are summed
     over the axis once, before the residual."""
     h = rms_norm(x, norm_weight, eps).reshape(-1, x.shape[-1])
-    experts, weights = route(h, params.router, spec)
+    experts, weights = route(h, params.router, spec, params.router_bias)
     held = params.gate_up_proj.shape[0]
+    down_bias = params.down_bias
     if tensor_axis is not None and held < spec.num_experts:
         experts = _held_pairs(experts, held, jax.lax.axis_index(tensor_axis) * held)
-    y = ops.routed_experts(h, experts, weights, params.gate_up_proj, params.down_proj, impl=impl)
+    elif tensor_axis is not None and down_bias is not None:
+        # each shard sums a slice of every expert's width: the output bias is added by one shard
+        down_bias = jnp.where(jax.lax.axis_index(tensor_axis) == 0, down_bias, jnp.zeros((), down_bias.dtype))
+    y = ops.routed_experts(h, experts, weights, params.gate_up_proj, params.down_proj, params.gate_up_bias,
+                           down_bias, swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha, impl=impl)
     if params.shared is not None:
         # transformers: sigmoid(h @ shared_gate) * shared_mlp(h), added to the routed sum, all in h's dtype
         shared = mlp.swiglu(h, params.shared, impl)

@@ -123,6 +123,10 @@ FAMILIES = {
     "qwen3_5": dict(HYBRID, family="qwen3_5"),
     # routed experts beside a gated shared expert of width 16 on every layer
     "qwen3_5_moe": dict(HYBRID, family="qwen3_5_moe", experts=4, top_k=2, expert_width=16, shared_width=16),
+    # sinks split with their heads; router, expert and attention biases (the experts' output bias
+    # added by one shard); windowed and full layers
+    "gpt_oss": dict(vocab=128, hidden=64, heads=8, kv_heads=4, head_dim=16, family="gpt_oss", layers=2, experts=4,
+                    top_k=2, expert_width=16, sliding_window=4),
 }
 
 
@@ -164,7 +168,7 @@ def test_every_family_split_gives_the_tokens_and_logits_of_one_device(family_cas
     assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
 
 
-@pytest.mark.parametrize("family_case", ["qwen3_moe", "qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("family_case", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"], indirect=True)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_moe_experts_dealt_out_whole_give_the_tokens_and_logits_of_one_device(family_case, tp):
     """Expert parallelism: each device holds 4 / tp whole experts (the shared expert split by

@@ -1,0 +1,328 @@
+"""gpt-oss targets on the one decoder against transformers' GptOssForCausalLM (f32, eager
+attention: transformers' sdpa path refuses sinks): attention sinks, q/k/v/o biases, alternating
+sliding and full layers, YaRN without truncation, a biased router, interleaved gate|up experts
+with biases and the clamped SwiGLU. Weights are randomised past transformers' defaults (which
+leave sinks near 0 and expert biases at 0) and the experts scaled so that the clamp at 7 cuts;
+prompts run past twice the window so the sliding layers differ from the full ones.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from builders import fill_random, make_zlab_draft, save_draft, train_briefly
+from checkpoints_convert import export_target
+from dflash_jax.config import ConfigError, ModelConfig
+from dflash_jax.generate import generate
+from dflash_jax.models import load_draft, load_target
+
+WINDOW = 4
+CONFIG = dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=64, hidden_size=32,
+              intermediate_size=24, head_dim=8, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
+              max_position_embeddings=131072, rms_norm_eps=1e-5)
+
+
+def make_gpt_oss(seed: int = 0, **overrides):
+    """A tiny GptOssForCausalLM, every weight random: sinks ~N(0, 1), biases ~N(0, 0.5), expert
+    projections ~N(0, 0.5) (some gate|up values pass the clamp), norms around 1."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = GptOssForCausalLM(GptOssConfig(**{**CONFIG, **overrides})).float().eval()
+    fill_random(model, seed, std=0.2)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0, generator=gen)
+            experts = layer.mlp.experts
+            experts.gate_up_proj.normal_(0.0, 0.5, generator=gen)
+            for bias in (experts.gate_up_proj_bias, experts.down_proj_bias, layer.mlp.router.bias):
+                bias.normal_(0.0, 0.5, generator=gen)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    hf = make_gpt_oss()
+    folder = tmp_path_factory.mktemp("gpt_oss") / "hf"
+    hf.save_pretrained(folder)
+    return hf, folder, load_target(folder, "float32")
+
+
+def _hf_logits(hf, tokens):
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _forward_in_pieces(target, tokens, pieces):
+    """Our logits of ``tokens`` run through the paged cache in consecutive pieces (a prefill,
+    then verify blocks and single decode steps)."""
+    from dflash_jax import target as target_model
+    from dflash_jax.cache import allocate_pages, init_cache
+
+    table, pages = allocate_pages([len(tokens)], 4)
+    cache = init_cache(target.config, None, table, pages, 4, jnp.float32)
+    out, start = [], 0
+    for size in pieces:
+        chunk = jnp.asarray([tokens[start:start + size]])
+        hidden, _, cache = target_model.forward(target.params, target.config, chunk, jnp.asarray([start], jnp.int32),
+                                                cache, impl="reference")
+        out.append(np.asarray(target_model.logits(target.params, hidden)[0]))
+        start += size
+    return np.concatenate(out)
+
+
+def test_config_reads_as_transformers_does(gpt_oss):
+    hf, _, target = gpt_oss
+    config = target.config
+    assert config.family == "gpt_oss" and config.layer_types == tuple(hf.config.layer_types)
+    assert [config.window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    attention, moe = config.layers[0].mixer, config.layers[0].ffn
+    assert attention.sinks and attention.bias and not attention.qk_norm
+    assert attention.rope.kind == "yarn" and attention.rope.truncate is False
+    assert moe.bias and moe.swiglu_limit == 7.0 and moe.norm_topk_prob
+
+
+@pytest.mark.parametrize("pieces", [(19,), (9, 4, 1, 1, 4)], ids=["prefill", "prefill-verify-decode"])
+def test_logits_equal_transformers(gpt_oss, pieces):
+    """f32 logits at every position, whole or through the paged cache piece by piece (a verify
+    block and decode steps whose windows drop keys the full layers still see)."""
+    hf, _, target = gpt_oss
+    tokens = np.random.default_rng(0).integers(0, 63, sum(pieces)).tolist()
+    expected = _hf_logits(hf, tokens)
+    np.testing.assert_allclose(_forward_in_pieces(target, tokens, pieces), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sinks_windows_and_clamp_each_change_the_logits(gpt_oss):
+    """Mutants of the three gpt-oss features (sinks zeroed, no window, no clamp) each move the
+    logits: the parity test above can fail on each."""
+    import dataclasses
+
+    _, _, target = gpt_oss
+    tokens = np.random.default_rng(1).integers(0, 63, 19).tolist()
+    base = _forward_in_pieces(target, tokens, (19,))
+    config, params = target.config, target.params
+    no_sinks = params.replace(layers=[layer.replace(attention=layer.attention.replace(
+        sinks=jnp.zeros_like(layer.attention.sinks))) for layer in params.layers])
+    no_window = config.with_layers(tuple(dataclasses.replace(layer, mixer=dataclasses.replace(
+        layer.mixer, sliding_window=None)) for layer in config.layers))
+    no_clamp = config.with_layers(tuple(dataclasses.replace(layer, ffn=dataclasses.replace(
+        layer.ffn, swiglu_limit=1e9)) for layer in config.layers))
+    for mutant in (dataclasses.replace(target, params=no_sinks), dataclasses.replace(target, config=no_window),
+                   dataclasses.replace(target, config=no_clamp)):
+        assert np.abs(_forward_in_pieces(mutant, tokens, (19,)) - base).max() > 1e-3
+
+
+def test_greedy_equals_transformers_generate_and_dflash_is_lossless(gpt_oss, tmp_path):
+    hf, _, target = gpt_oss
+    prompts = [np.random.default_rng(s).integers(0, 63, n).tolist() for s, n in ((2, 7), (3, 11))]
+    plain = generate(target, prompts, max_new_tokens=16, impl="reference")
+    for prompt, tokens in zip(prompts, plain.tokens):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()
+    draft_dir = save_draft(make_zlab_draft(hf, block_size=4, target_layer_ids=(0, 2), seed=7, std=0.3),
+                           tmp_path / "draft")
+    draft = load_draft(draft_dir, target, "float32")
+    spec = generate(target, prompts, draft=draft, max_new_tokens=16, impl="reference")
+    assert spec.tokens == plain.tokens
+    # the PyPI reference, called directly (its loader forces sdpa, which gpt-oss refuses)
+    import dflash.model as dm
+
+    hf_draft = dm.DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    for b, prompt in enumerate(prompts):
+        out = dm.dflash_generate(hf_draft, hf, torch.tensor([prompt]), max_new_tokens=16, stop_token_ids=None,
+                                 return_stats=True)
+        assert out.output_ids[0, len(prompt):].tolist() == spec.tokens[b]
+        assert [int(n) for n in out.acceptance_lengths] == spec.stats.accept_lengths[b]
+
+
+def test_export_round_trip_loads_in_transformers(gpt_oss, tmp_path):
+    from transformers import GptOssForCausalLM
+
+    hf, _, target = gpt_oss
+    out = export_target(target.config, target.params, tmp_path / "exported", max_shard_mb=1)
+    assert load_target(out, "float32").config == target.config
+    reloaded = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = list(range(5, 25))
+    np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(hf, tokens))
+
+
+def test_defaults_and_refusals():
+    """Absent fields read as GptOssConfig's (YaRN factor 32 untruncated, theta 150000, window 128
+    on even layers); quantizations other than the released mxfp4 are refused by name."""
+    raw = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 3, "num_local_experts": 4,
+           "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16, "num_attention_heads": 16, "head_dim": 8}
+    config = ModelConfig.from_hf(raw)
+    assert [config.window(i) for i in range(3)] == [128, None, 128]
+    rope = config.layers[0].mixer.rope
+    assert (rope.kind, rope.factor, rope.theta, rope.truncate) == ("yarn", 32.0, 150000.0, False)
+    assert config.layers[0].ffn.top_k == 4 and config.rms_norm_eps == 1e-5
+    assert config.layers[0].mixer.num_kv_heads == 8
+    with pytest.raises(ConfigError, match="quant_method 'awq' is not supported for gpt-oss"):
+        ModelConfig.from_hf({**raw, "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(ConfigError, match="num_experts"):
+        ModelConfig.from_hf({k: v for k, v in raw.items() if k != "num_local_experts"})
+
+
+def test_dflash_through_every_kernel(tmp_path):
+    """The sink-aware verify attention and the biased, clamped expert kernels (interpreted) in the
+    whole loop: the same greedy tokens as the reference path (head_dim and widths the kernels take)."""
+    hf = make_gpt_oss(seed=4, head_dim=16, intermediate_size=32)
+    hf.save_pretrained(tmp_path / "target")
+    target = load_target(tmp_path / "target", "float32")
+    draft = load_draft(save_draft(make_zlab_draft(hf, block_size=4, target_layer_ids=(0, 2), head_dim=16, seed=7,
+                                                  std=0.3), tmp_path / "draft"), target, "float32")
+    prompts = [np.random.default_rng(5).integers(0, 63, 10).tolist()]
+    reference = generate(target, prompts, draft=draft, max_new_tokens=8, impl="reference")
+    kernels = generate(target, prompts, draft=draft, max_new_tokens=8, impl="interpret")
+    assert kernels.tokens == reference.tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 experts, as released
+
+
+def test_mxfp4_dequantization_is_bit_exact_against_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from dflash_jax.mxfp4 import dequantize_pair
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 40, 5, 16), dtype=np.uint8)
+    scales = rng.integers(110, 141, (3, 40, 5), dtype=np.uint8)
+    ours = dequantize_pair(blocks, scales)
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=dtype)
+        assert tuple(theirs.shape) == ours.shape == (3, 160, 40)
+        np.testing.assert_array_equal(ours.astype(np.float32 if dtype == torch.float32 else jnp.bfloat16),
+                                      theirs.float().numpy().astype(np.float32 if dtype == torch.float32
+                                                                    else jnp.bfloat16))
+
+
+def _quantize_experts(hf, rng):
+    """Random MXFP4 codes for every layer's experts, set (dequantised by transformers) as the
+    model's weights; returns the blocks and scales per tensor name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = {}
+    for index, layer in enumerate(hf.model.layers):
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name)            # [E, in, out]
+            e, inputs, outputs = weight.shape
+            blocks = rng.integers(0, 256, (e, outputs, inputs // 32, 16), dtype=np.uint8)
+            scales = rng.integers(121, 125, (e, outputs, inputs // 32), dtype=np.uint8)
+            with torch.no_grad():
+                weight.copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                        dtype=torch.float32))
+            packed[f"model.layers.{index}.mlp.experts.{name}"] = (blocks, scales)
+    return packed
+
+
+def test_an_mxfp4_checkpoint_loads_dequantised_with_transformers_logits(tmp_path):
+    """A released-style folder (experts as *_blocks / *_scales, quantization_config mxfp4) loads
+    with the logits of the model whose experts are transformers' dequantisation of the same codes,
+    and transformers' own MXFP4 loader (dequantize=True) reads the folder the same."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    hf = make_gpt_oss(seed=6, hidden_size=64, intermediate_size=32)
+    packed = _quantize_experts(hf, np.random.default_rng(6))
+    folder = tmp_path / "mxfp4"
+    hf.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    target = load_target(folder, "float32")
+    tokens = np.random.default_rng(2).integers(0, 63, 12).tolist()
+    expected = _hf_logits(hf, tokens)
+    np.testing.assert_allclose(_forward_in_pieces(target, tokens, (12,)), expected, rtol=1e-4, atol=1e-4)
+    reloaded = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True)).eval()
+    np.testing.assert_array_equal(_hf_logits(reloaded, tokens), expected)
+
+
+def test_half_an_mxfp4_pair_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    from dflash_jax.checkpoint import CheckpointError, iter_tensors
+
+    save_file({"model.layers.0.mlp.experts.down_proj_blocks": np.zeros((2, 32, 1, 16), np.uint8)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'model.layers.0.mlp.experts.down_proj_blocks' has no "
+                                              "'model.layers.0.mlp.experts.down_proj_scales'"):
+        list(iter_tensors(tmp_path))
+
+
+def test_a_zlab_gpt_oss_draft_config_loads_and_matches_the_reference(gpt_oss, tmp_path):
+    """z-lab's gpt-oss drafts: Qwen3 layers with attention biases, ``model_type`` "gpt_oss",
+    ``block_size`` at the top level, the mask id and taps in ``dflash_config``. Read as the PyPI
+    reference reads them (through Qwen3Config: plain RoPE, every layer full attention)."""
+    import json
+
+    import dflash.model as dm
+
+    from builders import edit_config
+
+    hf, _, target = gpt_oss
+    hf_draft = make_zlab_draft(hf, block_size=8, target_layer_ids=(0, 1, 3), seed=9, std=0.3)
+    with torch.no_grad():  # the biased layers z-lab's gpt-oss drafts have
+        hf_draft.config.attention_bias = True
+        biased = dm.DFlashDraftModel(hf_draft.config).eval()
+        biased.load_state_dict(hf_draft.state_dict(), strict=False)
+        gen = torch.Generator().manual_seed(3)
+        for name, tensor in biased.named_parameters():
+            if name.endswith("proj.bias"):
+                tensor.normal_(0.0, 0.3, generator=gen)
+    folder = save_draft(biased, tmp_path / "draft")
+
+    def as_released(config):
+        config.update(model_type="gpt_oss", block_size=8)
+        config["dflash_config"] = {"mask_token_id": 63, "target_layer_ids": [0, 1, 3]}
+    edit_config(folder, as_released)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "gpt_oss"
+    draft = load_draft(folder, target, "float32")
+    assert draft.config.block_size == 8 and draft.config.model.layers[0].mixer.bias
+    prompts = [np.random.default_rng(8).integers(0, 63, 9).tolist()]
+    ours = generate(target, prompts, draft=draft, max_new_tokens=16, impl="reference")
+    reference = dm.DFlashDraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    out = dm.dflash_generate(reference, hf, torch.tensor(prompts), max_new_tokens=16, stop_token_ids=None,
+                             return_stats=True)
+    assert out.output_ids[0, len(prompts[0]):].tolist() == ours.tokens[0]
+    assert [int(n) for n in out.acceptance_lengths] == ours.stats.accept_lengths[0]
+
+
+def test_train_a_draft_for_a_gpt_oss_target_and_the_reference_runs_it(gpt_oss, tmp_path, monkeypatch):
+    """``train_draft`` on a gpt-oss target (its taps, its YaRN RoPE for the draft, an MLP as wide
+    as the routed experts' top k): a few steps, exported, then the PyPI reference runs the draft
+    on the transformers target with our tokens and acceptance lengths."""
+    import dflash.model as reference
+
+    from dflash_jax import train_draft
+
+    monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)
+    hf, _, target = gpt_oss
+    config = train_draft.new_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=63,
+                                          target_layer_ids=(0, 2))
+    assert config.model.intermediate_size == 2 * 24 and config.model.rope == target.config.rope
+    train_briefly(target, config, tmp_path / "draft", vocab=63)
+    exported = load_draft(tmp_path / "draft", target, "float32")
+    ref_draft = reference.DFlashDraftModel.from_pretrained(tmp_path / "draft", dtype=torch.float32).eval()
+    prompt = list(range(10, 22))
+    ours = generate(target, [prompt], draft=exported, max_new_tokens=16, impl="reference")
+    ref = reference.dflash_generate(ref_draft, hf, torch.tensor([prompt]), 16, None, return_stats=True)
+    assert ours.tokens[0] == ref.output_ids[0, len(prompt):].tolist()
+    assert ours.stats.accept_lengths[0] == [int(n) for n in ref.acceptance_lengths]
