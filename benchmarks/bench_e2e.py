@@ -62,10 +62,11 @@ SECTIONS = ("decode", "parts", "e2e")
 # tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
 _GPU_GRID = {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32], "blocks": [4, 8, 16]}
 _CPU_GRID = {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1], "blocks": [4, 8, 16]}
-SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-32b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
+SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-8b-dflash2": _GPU_GRID, "qwen3-32b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
                   "qwen3.5-35b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID, "tiny-hybrid": _CPU_GRID,
                   "llama3.1-8b": {**_GPU_GRID, "blocks": [4, 8, 10]},  # z-lab's LLaMA draft: block 10
-                  "gpt-oss-20b": {**_GPU_GRID, "blocks": [4, 8]}, "tiny-gpt-oss": _CPU_GRID}  # its draft: block 8
+                  "gpt-oss-20b": {**_GPU_GRID, "blocks": [4, 8]}, "tiny-gpt-oss": _CPU_GRID,
+                  "tiny-dflash2": _CPU_GRID}  # its draft: block 8
 PARTS_CONTEXT, PARTS_BLOCK = 512, 16  # the parts' block: 16, or the draft's trained block when smaller
 REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
 REFERENCE_KEYS = ("decode_step_s", "dflash_step_s")

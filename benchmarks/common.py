@@ -22,8 +22,10 @@ import numpy as np
 from dflash_jax.cli import at_least
 from dflash_jax.config import DraftConfig, ModelConfig, uniform_config
 from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
+from dflash_jax.nn.dynamic_conv import ConvSpec
 from dflash_jax.nn.moe import MoESpec
 from dflash_jax.nn.rope import RopeSpec
+from dflash_jax.selector import SelectorSpec
 from dflash_jax.models import Draft, Target
 from dflash_jax.params import init_draft_params, init_target_params
 from dflash_jax.sharding import (TensorParallel, draft_layout, local_config, local_draft_config, named, specs,
@@ -34,6 +36,12 @@ QWEN3_8B = uniform_config(vocab_size=151936, hidden_size=4096, intermediate_size
                           max_position_embeddings=40960)
 DFLASH_DRAFT_8B = DraftConfig(model=QWEN3_8B.with_layers(QWEN3_8B.layers[:5]), block_size=16,
                               mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36)
+# A DFlash2 draft of the same size (z-lab's published DFlash2 settings: kernel 2, groups of 16,
+# selector rank 256, top 16): its step against the DFlash draft's is the selector's cost.
+DFLASH2_DRAFT_8B = dataclasses.replace(
+    DFLASH_DRAFT_8B, model=DFLASH_DRAFT_8B.model.with_layers(tuple(
+        dataclasses.replace(layer, conv=ConvSpec(2, 16)) for layer in DFLASH_DRAFT_8B.model.layers)),
+    selector=SelectorSpec(rank=256, top_k=16))
 # Qwen3-32B (the tensor-parallel benchmark's target): a 5-layer draft of its width, as the 8B's.
 QWEN3_32B = uniform_config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
                            num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -112,6 +120,10 @@ TINY = uniform_config(vocab_size=512, hidden_size=64, intermediate_size=128, num
                       num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960)
 TINY_DRAFT = DraftConfig(model=TINY.with_layers(TINY.layers[:2]), block_size=16, mask_token_id=511,
                          target_layer_ids=(1, 2), num_target_layers=4)
+TINY_DFLASH2_DRAFT = dataclasses.replace(
+    TINY_DRAFT, model=TINY_DRAFT.model.with_layers(tuple(
+        dataclasses.replace(layer, conv=ConvSpec(2, 16)) for layer in TINY_DRAFT.model.layers)),
+    selector=SelectorSpec(rank=8, top_k=4))
 TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960,
                           ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True))
@@ -123,20 +135,21 @@ TINY_HYBRID = uniform_config(family="qwen3_5_release", vocab_size=512, hidden_si
                              rope=RopeSpec(theta=1e7, rotary_dim=8), layer_types=HYBRID_TYPES(4),
                              linear_attention=GatedDeltaNetSpec(2, 4, 16, 16), max_position_embeddings=40960,
                              zero_centred_norms=True)
-SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "qwen3-32b": (QWEN3_32B, DFLASH_DRAFT_32B),
+SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "qwen3-8b-dflash2": (QWEN3_8B, DFLASH2_DRAFT_8B), "qwen3-32b": (QWEN3_32B, DFLASH_DRAFT_32B),
           "llama3.1-8b": (LLAMA31_8B, DFLASH_DRAFT_LLAMA31_8B),
           "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "qwen3.5-27b": (QWEN35_27B, DFLASH_DRAFT_35_27B),
           "qwen3.5-35b-a3b": (QWEN35_35B_A3B, DFLASH_DRAFT_35_35B_A3B), "tiny": (TINY, TINY_DRAFT),
           "gpt-oss-20b": (GPT_OSS_20B, DFLASH_DRAFT_GPT_OSS_20B),
           "tiny-moe": (TINY_MOE, TINY_DRAFT), "tiny-hybrid": (TINY_HYBRID, TINY_DRAFT),
-          "tiny-gpt-oss": (TINY_GPT_OSS, TINY_DRAFT)}
+          "tiny-gpt-oss": (TINY_GPT_OSS, TINY_DRAFT), "tiny-dflash2": (TINY, TINY_DFLASH2_DRAFT)}
 # Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
 # enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
-CEILING_SIZES = {"qwen3-8b": (1024, 8192), "qwen3-32b": (1024, 8192), "llama3.1-8b": (1024, 8192),
+CEILING_SIZES = {"qwen3-8b": (1024, 8192), "qwen3-8b-dflash2": (1024, 8192), "qwen3-32b": (1024, 8192), "llama3.1-8b": (1024, 8192),
                  "qwen3-30b-a3b": (1024, 8192),
                  "qwen3.5-27b": (1024, 8192), "qwen3.5-35b-a3b": (1024, 8192),
                  "gpt-oss-20b": (1024, 8192),
-                 "tiny": (8, 512), "tiny-moe": (8, 512), "tiny-hybrid": (8, 512), "tiny-gpt-oss": (8, 512)}
+                 "tiny": (8, 512), "tiny-moe": (8, 512), "tiny-hybrid": (8, 512), "tiny-gpt-oss": (8, 512),
+                 "tiny-dflash2": (8, 512)}
 
 
 # ----------------------------------------------------------------------------- argument checks

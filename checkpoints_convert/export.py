@@ -118,7 +118,8 @@ def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, 
                  overwrite: bool = False, side_files_from: str | Path | None = None,
                  progress: bool = False) -> Path:
     """Write ``params`` as a z-lab-format DFlash draft folder (``architectures
-    ["DFlashDraftModel"]``, Qwen3 fields, ``block_size``, ``num_target_layers``, ``dflash_config
+    ["DFlashDraftModel"]``, or ``["DFlash2DraftModel"]`` with its convolution and selector fields
+    in ``dflash_config`` and the codebooks' published names), Qwen3 fields, ``block_size``, ``num_target_layers``, ``dflash_config
     {mask_token_id, target_layer_ids}``; weights ``fc.weight``, ``hidden_norm.weight``,
     ``norm.weight``, ``layers.N.…``). ``dtype`` casts floats on the way out (None keeps the
     params'; a float16 cast that overflows raises CheckpointError). ``overwrite`` replaces an
@@ -149,7 +150,14 @@ def export_draft(config: DraftConfig, params: DraftParams, out_dir: str | Path, 
         dflash["output_multiplier"] = config.output_multiplier
     if config.final_logit_softcapping:
         dflash["final_logit_softcapping"] = config.final_logit_softcapping
-    raw = {**_config_json(model, _float_dtype(tensors, dtype)), "architectures": ["DFlashDraftModel"],
+    if config.selector is not None:  # DFlash2
+        if len({layer.conv for layer in model.layers}) > 1:
+            raise ValueError("the draft layers' convolutions differ: DFlash2's config holds one")
+        conv = model.layers[0].conv
+        dflash.update(conv_kernel_size=conv.kernel_size, conv_group_size=conv.group_size,
+                      selector_rank=config.selector.rank, selector_top_k=config.selector.top_k)
+    architecture = "DFlashDraftModel" if config.selector is None else "DFlash2DraftModel"
+    raw = {**_config_json(model, _float_dtype(tensors, dtype)), "architectures": [architecture],
            "tie_word_embeddings": False, "block_size": config.block_size,
            "num_target_layers": config.num_target_layers, "dflash_config": dflash}
     # The reference makes sliding-window layers causal and the rest bidirectional unless

@@ -267,7 +267,9 @@ def _draft_source(directory: Path, dtype, progress: bool) -> tuple[DraftConfig, 
     structure = jax.eval_shape(lambda: init_draft_params(config, jax.random.key(0), dtype))
 
     def leaves():
-        yield from stream_leaves(directory, draft_slots(config), structure, dtype, ignored, progress=progress)
+        torch_names = any(name.endswith("_codebook.weight") for name, _, _ in iter_tensors(directory))
+        slots = draft_slots(config, ".weight" if torch_names else "")
+        yield from stream_leaves(directory, slots, structure, dtype, ignored, progress=progress)
         if config.source_format == "speculators" and config.draft_vocab_size is None:
             _check_identity_d2t(directory)
 

@@ -11,10 +11,12 @@ from typing import Any, Callable
 
 from dflash_jax.hf_json import ConfigError, architectures, field, int_list, read_config_json, read_json
 from dflash_jax.nn.attention import AttentionSpec
+from dflash_jax.nn.dynamic_conv import ConvSpec
 from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
 from dflash_jax.nn.mlp import MLPSpec
 from dflash_jax.nn.moe import MoESpec
 from dflash_jax.nn.rope import RopeSpec
+from dflash_jax.selector import SelectorSpec
 
 __all__ = ["ConfigError", "LayerSpec", "ModelConfig", "DraftConfig", "build_target_layer_ids", "is_draft_config",
            "load_target_config", "load_draft_config", "read_json", "read_config_json", "int_list"]
@@ -26,11 +28,12 @@ class LayerSpec:
     in hybrids), residual; post-norm, a feed-forward block, residual. ``kind`` is HF's
     ``layer_types`` label; it can differ from what the mixer does (a "sliding_attention" layer
     without a window attends fully) and DFlash drafts read it (the reference makes its sliding
-    layers causal)."""
+    layers causal). ``conv``: DFlash2's dynamic convolution around both sublayers (drafts only)."""
 
     mixer: AttentionSpec | GatedDeltaNetSpec
     ffn: MLPSpec | MoESpec
     kind: str = "full_attention"
+    conv: ConvSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +209,8 @@ class DraftConfig:
     ``target_layer_ids`` are z-lab ids: the output of target decoder layer k (HF hidden_states[k+1]).
     ``draft_vocab_size`` is set only for speculators drafts with a reduced vocabulary (d2t map).
     ``causal_layers`` reproduces the reference: sliding-window draft layers are causal unless
-    the config says ``is_causal``.
+    the config says ``is_causal``. ``selector``: a DFlash2 draft's candidate selector (its layers
+    then carry ``LayerSpec.conv``).
     """
 
     model: ModelConfig
@@ -220,6 +224,7 @@ class DraftConfig:
     draft_vocab_size: int | None = None
     causal_layers: tuple[bool, ...] = ()
     source_format: str = "z-lab"
+    selector: SelectorSpec | None = None
 
     def __post_init__(self):
         if not self.causal_layers:
@@ -229,6 +234,10 @@ class DraftConfig:
                               f"{self.model.num_layers} draft layers")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        if (self.selector is None) != all(layer.conv is None for layer in self.model.layers):
+            raise ConfigError("a DFlash2 draft has both its candidate selector and its layers' convolutions")
+        if any(layer.mixer.sinks for layer in self.model.layers if isinstance(layer.mixer, AttentionSpec)):
+            raise ConfigError("draft layers have no attention sinks (z-lab's layers are Qwen3's)")
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "draft config.json") -> "DraftConfig":
@@ -237,10 +246,13 @@ class DraftConfig:
         if not is_draft_config(raw):
             raise ConfigError(f"{where}: not a DFlash draft (architectures lacks 'DFlashDraftModel' "
                               "and there is no dflash_config or speculators_model_type)")
-        other = [name for name in architectures(raw) if name.startswith("DFlash") and name != "DFlashDraftModel"]
+        other = [name for name in architectures(raw)
+                 if name.startswith("DFlash") and name not in ("DFlashDraftModel", "DFlash2DraftModel")]
         if other:
             raise ConfigError(f"{where}: architecture {other[0]} is not supported; this library runs "
-                              "DFlashDraftModel drafts (z-lab) and speculators 'dflash' drafts")
+                              "DFlashDraftModel and DFlash2DraftModel drafts (z-lab) and speculators 'dflash' "
+                              "drafts")
+        dflash2 = "DFlash2DraftModel" in architectures(raw)
         dflash = field(raw, "dflash_config", where, dict, {})
 
         def at(name):
@@ -249,6 +261,12 @@ class DraftConfig:
             return (dflash, name, f"{where} dflash_config") if dflash.get(name) is not None else (raw, name, where)
 
         model = draft_layers_from_hf(raw, where)
+        selector = None
+        if dflash2:  # DFlash2: a convolution around each sublayer, and the candidate selector
+            conv = ConvSpec(field(*at("conv_kernel_size"), int), field(*at("conv_group_size"), int))
+            conv.groups(model.hidden_size)
+            model = model.with_layers(tuple(dataclasses.replace(layer, conv=conv) for layer in model.layers))
+            selector = SelectorSpec(rank=field(*at("selector_rank"), int), top_k=field(*at("selector_top_k"), int))
         ids = int_list(*at("target_layer_ids"), None)
         num_target_layers = field(raw, "num_target_layers", where, int, None)
         if ids is None:
@@ -271,6 +289,7 @@ class DraftConfig:
             output_multiplier=field(*at("output_multiplier"), float, 1.0),
             final_logit_softcapping=field(*at("final_logit_softcapping"), float, None) or None,
             causal_layers=causal,
+            selector=selector,
         )
 
     @classmethod

@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import draft as draft_model
+from dflash_jax import selector
 from dflash_jax import target as target_model
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig, ModelConfig
@@ -248,6 +249,12 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl,
                                       vocab_axis=vocab_axis)
     logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:], vocab_axis)
+    if config.draft.selector is not None:  # DFlash2: a path through each position's top-k candidates
+        sampled = not state.sampling.greedy
+        path, candidates, probs = selector.select(
+            draft.selector, config.draft.selector, hidden[:, 1:], logits, state.last_token,
+            state.sampling.temperature if sampled else None, key if sampled else None)
+        return path, None if probs is None else selector.dense_probs(candidates, probs, logits.shape[-1])
     if state.sampling.greedy:
         return vocab_argmax(logits, vocab_axis), None
     probs = sampling_probs(logits, state.sampling, vocab_axis)

@@ -7,6 +7,7 @@ import jax
 from flax import struct
 
 from dflash_jax.nn.decoder import LayerParams, init_layer
+from dflash_jax.selector import SelectorParams, init_selector
 
 
 @struct.dataclass
@@ -31,6 +32,7 @@ class DraftParams:
     norm: jax.Array                  # [H]
     lm_head: jax.Array | None = None
     d2t: jax.Array | None = None
+    selector: SelectorParams | None = None   # DFlash2's candidate selector
 
 
 def cast_params(params, dtype):
@@ -62,6 +64,8 @@ def init_draft_params(draft_config, key, dtype) -> DraftParams:
         lm_head = (jax.random.normal(keys[0], (model.hidden_size, draft_config.draft_vocab_size)) * 0.02
                    ).astype(dtype)
         d2t = jax.numpy.zeros((draft_config.draft_vocab_size,), jax.numpy.int32)
-    return DraftParams(fc=fc, hidden_norm=ones(), norm=ones(), lm_head=lm_head, d2t=d2t,
+    selector = None if draft_config.selector is None else init_selector(
+        draft_config.selector, model.vocab_size, model.hidden_size, jax.random.fold_in(key, 1), dtype)
+    return DraftParams(fc=fc, hidden_norm=ones(), norm=ones(), lm_head=lm_head, d2t=d2t, selector=selector,
                        layers=tuple(init_layer(spec, model.hidden_size, k, dtype)
                                     for spec, k in zip(model.layers, keys[1:])))

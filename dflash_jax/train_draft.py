@@ -287,6 +287,9 @@ def train_draft(target: Target, rows: data.TokenRows, out_dir: str | Path, draft
     ``out_dir`` (a non-empty one only when resuming from checkpoints or with ``overwrite``) and
     return it as loaded (f32 training params). ``data_record`` describes the rows for resuming
     (default: their shape)."""
+    if draft_config.selector is not None:
+        raise ValueError("training DFlash2 drafts (convolutions, candidate selector) is not supported: "
+                         "train_draft trains DFlash drafts")
     rows = data.trainable_rows(rows, target.config.vocab_size)
     data_record = {"rows": len(rows), "seq_len": rows.seq_len} if data_record is None else data_record
     ckpt_dir = open_draft_run(target.config, target.path, out_dir, draft_config, train, data_record,

@@ -10,6 +10,7 @@ a norm applied with the wrong weight (or not at all) shows up.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -428,6 +429,30 @@ def make_copy_draft(target, *, period: int = 6, seed: int = 100, noise: float = 
                    freqs=_rope_freqs(draft, draft.config.rope_parameters["rope_theta"], draft.config.head_dim),
                    offset=period, code_dims=CODE_DIMS, gain=gain)
     return draft
+
+
+def as_dflash2(draft, *, kernel_size: int = 2, group_size: int = 8, rank: int = 6, top_k: int = 5, seed: int = 0,
+               conv_std: float = 0.05, selector_std: float = 0.3):
+    """The PyPI reference's DFlash2DraftModel with ``draft``'s (a DFlashDraftModel) weights, and
+    seeded random convolutions (the reference leaves ``base_kernel`` uninitialised) and selector:
+    small enough that a copying draft keeps varied acceptance, large enough to change it."""
+    from dflash.model import DFlash2DraftModel
+
+    config = copy.deepcopy(draft.config)
+    config.architectures = ["DFlash2DraftModel"]
+    config.dflash_config = {**config.dflash_config, "conv_kernel_size": kernel_size, "conv_group_size": group_size,
+                            "selector_rank": rank, "selector_top_k": top_k}
+    model = DFlash2DraftModel(config).eval()
+    missing, unexpected = model.load_state_dict(draft.state_dict(), strict=False)
+    assert not unexpected and all("conv" in name or "candidate_selector" in name for name in missing)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "conv" in name:
+                tensor.normal_(0.0, conv_std, generator=gen)
+            elif "candidate_selector" in name:
+                tensor.normal_(0.0, selector_std, generator=gen)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

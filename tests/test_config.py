@@ -197,7 +197,7 @@ def test_load_target_config_checks_model_type(tmp_path):
     with pytest.raises(ConfigError, match=r"architecture MistralForCausalLM is not supported \(supported: "
                                           r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
                                           r"Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, "
-                                          r"Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM\)"):
+                                          r"Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, GptOssForCausalLM\)"):
         load_target_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": None}))
     with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
@@ -373,11 +373,18 @@ def test_draft_made_for_another_target_depth():
 
 
 def test_unsupported_draft_architecture_is_named():
-    raw = zlab_raw(architectures=["DFlash2DraftModel"])
+    raw = zlab_raw(architectures=["DFlash3DraftModel"])
     from dflash_jax.config import is_draft_config
     assert is_draft_config(raw)  # so a swapped --target/--draft is still recognised
-    with pytest.raises(ConfigError, match="architecture DFlash2DraftModel is not supported"):
+    with pytest.raises(ConfigError, match="architecture DFlash3DraftModel is not supported"):
         DraftConfig.from_hf(raw)
+    # DFlash2 reads its convolution and selector fields, from dflash_config or the top level
+    dflash2 = zlab_raw(architectures=["DFlash2DraftModel"], conv_kernel_size=2, conv_group_size=8,
+                       selector_rank=4, selector_top_k=3)
+    config = DraftConfig.from_hf(dflash2)
+    assert config.selector.top_k == 3 and config.model.layers[0].conv.group_size == 8
+    with pytest.raises(ConfigError, match="conv_kernel_size"):
+        DraftConfig.from_hf(zlab_raw(architectures=["DFlash2DraftModel"]))
 
 
 def test_speculators_tap_ids_and_top_level_window_fields():

@@ -430,7 +430,7 @@ def test_unknown_architecture_lists_the_supported_ones():
     raw = {**_raw("llama"), "architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
     with pytest.raises(ConfigError, match=r"architecture GemmaForCausalLM is not supported \(supported: "
                                           r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, "
-                                          r"Qwen3_5ForCausalLM, .*, Qwen3NextForCausalLM\)"):
+                                          r"Qwen3_5ForCausalLM, .*, Qwen3NextForCausalLM, GptOssForCausalLM\)"):
         ModelConfig.from_hf(raw)
     assert families.find_family({"model_type": "llama"}).name == "llama"  # model_type alone suffices
     assert families.find_family({"model_type": "qwen3_5"}).name == "qwen3_5_release"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from scipy import stats
 
-from builders import make_target, make_zlab_draft, save_draft, save_target
+from builders import as_dflash2, make_target, make_zlab_draft, save_draft, save_target
 from dflash_jax.generate import generate
 from dflash_jax.models import load_draft, load_target
 from dflash_jax.sampling import (SamplingConfig, SamplingRows, accept_greedy, accept_sampling, choose, sample_probs,
@@ -252,8 +252,10 @@ def target_logits_after(hf_target, prompt):
     return prefixes, logits
 
 
-def _tiny_fixture(root, **family):
+def _tiny_fixture(root, dflash2: bool = False, **family):
     hf_target, hf_draft = tiny_models(**TINY, **family)
+    if dflash2:
+        hf_draft = as_dflash2(hf_draft, group_size=8, rank=4, top_k=5, selector_std=0.5)
     target = load_target(save_target(hf_target, root / "target"), "float32")
     draft = load_draft(save_draft(hf_draft, root / "draft"), target, "float32")
     prefixes, logits = target_logits_after(hf_target, PROMPT)
@@ -277,6 +279,12 @@ def tiny_hybrid(tmp_path_factory):
     """The same on a Qwen3.5 hybrid target: a Gated DeltaNet layer, then gated attention."""
     return _tiny_fixture(tmp_path_factory.mktemp("tiny_hybrid_sampling"), family="qwen3_5",
                          layer_types=("linear_attention", "full_attention"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash2(tmp_path_factory):
+    """The same pair, its draft DFlash2: q is the selector's tempered k-way distribution."""
+    return _tiny_fixture(tmp_path_factory.mktemp("tiny_dflash2_sampling"), dflash2=True)
 
 
 def _exact(logits, prefixes, temperature, top_p, top_k):
@@ -415,6 +423,19 @@ def test_speculative_sampling_on_a_moe_target_is_exact_in_distribution(tiny_moe,
     first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
     assert 0.1 < (first_step >= 2).mean() < 0.9
     _assert_exact(_pvalues(tokens, joint3, t4), f"MoE {name}")
+
+
+@pytest.mark.parametrize("name", ["t1.0", "t0.8-top_k5-top_p0.9"])
+def test_dflash2_sampling_is_exact_in_distribution(tiny_dflash2, name):
+    """DFlash2 drafts sample their path from the selector (q over 5 candidates, temperature
+    only); rejection against the target's p keeps the output exactly the target's."""
+    config = SAMPLING_CASES[name]
+    assert tiny_dflash2[1].config.selector is not None
+    joint3, t4 = _exact(tiny_dflash2[3], tiny_dflash2[2], config.temperature, config.top_p, config.top_k)
+    tokens, out = _sample(tiny_dflash2, config, seed=25)
+    first_step = np.array([seq[0] for seq in out.stats.accept_lengths])
+    assert 0.1 < (first_step >= 2).mean() < 0.9
+    _assert_exact(_pvalues(tokens, joint3, t4), f"DFlash2 {name}")
 
 
 def test_speculative_sampling_on_a_hybrid_target_is_exact_in_distribution(tiny_hybrid):

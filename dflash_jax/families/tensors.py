@@ -205,6 +205,12 @@ def layer_slots(spec: LayerSpec, hidden: int, index: int, names: TensorNames,
     else:
         slots.update(_linear_attention_slots(spec.mixer, h, base + ("attention",), prefix + names.linear_attention,
                                              names))
+    if spec.conv is not None:  # DFlash2: layers.N.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}
+        width = 2 * spec.conv.kernel_size * spec.conv.groups(h)
+        for side in ("attention_conv", "mlp_conv"):
+            slots[f"{prefix}{side}.base_kernel"] = Slot(base + (side, "base_kernel"), (2, spec.conv.kernel_size, h))
+            slots[f"{prefix}{side}.kernel_projection.weight"] = Slot(base + (side, "kernel_projection"), (width, h),
+                                                                     True)
     ffn, ft = spec.ffn, base + ("ffn",)
     if isinstance(ffn, MoESpec):
         slots.update(_moe_slots(ffn, h, ft, prefix, names, stacked_experts))
@@ -235,9 +241,14 @@ def target_slots(config: ModelConfig, stacked_experts: bool = False) -> dict[str
     return slots
 
 
-def draft_slots(config: DraftConfig) -> dict[str, Slot]:
+SELECTOR = "candidate_selector."
+
+
+def draft_slots(config: DraftConfig, codebook_suffix: str = "") -> dict[str, Slot]:
     """Tensor names of a DFlash draft (no ``model.`` prefix). A reduced-vocabulary speculators
-    draft adds its own LM head rows, ``d2t`` and ``t2d``."""
+    draft adds its own LM head rows, ``d2t`` and ``t2d``; a DFlash2 draft its selector, whose
+    codebooks z-lab publishes without ``.weight`` (``codebook_suffix`` ".weight": as torch's
+    save_pretrained writes them)."""
     model = config.model
     h = model.hidden_size
     slots = {}
@@ -246,6 +257,11 @@ def draft_slots(config: DraftConfig) -> dict[str, Slot]:
     slots["fc.weight"] = Slot(("fc",), (h, len(config.target_layer_ids) * h), True)
     slots["hidden_norm.weight"] = Slot(("hidden_norm",), (h,))
     slots["norm.weight"] = Slot(("norm",), (h,))
+    if config.selector is not None:
+        v, r = model.vocab_size, config.selector.rank
+        for name in ("predecessor_codebook", "successor_codebook"):
+            slots[f"{SELECTOR}{name}{codebook_suffix}"] = Slot(("selector", name), (v, r))
+        slots[f"{SELECTOR}hidden_projection.weight"] = Slot(("selector", "hidden_projection"), (r, h), True)
     if config.draft_vocab_size is not None:
         slots["lm_head.weight"] = Slot(("lm_head",), (config.draft_vocab_size, h), True)
         slots["d2t"] = Slot(("d2t",), (config.draft_vocab_size,), integer=True)

@@ -22,12 +22,15 @@ from typing import Any
 import jax
 from flax import struct
 
+from dflash_jax import ops
 from dflash_jax.config import LayerSpec
-from dflash_jax.nn import attention, gated_deltanet, mlp, moe
+from dflash_jax.nn import attention, dynamic_conv, gated_deltanet, mlp, moe
 from dflash_jax.nn.attention import AttentionParams, AttentionSpec, init_attention
+from dflash_jax.nn.dynamic_conv import ConvParams, init_conv
 from dflash_jax.nn.gated_deltanet import GatedDeltaNetParams, GatedDeltaNetSpec, init_gated_deltanet
 from dflash_jax.nn.mlp import MLPParams, MLPSpec, init_mlp
 from dflash_jax.nn.moe import MoEParams, init_moe
+from pallas_kernels import rms_norm
 
 Attend = Callable[[Any, int, AttentionSpec | GatedDeltaNetSpec, AttentionParams | GatedDeltaNetParams, jax.Array,
                    jax.Array], tuple[jax.Array, Any]]
@@ -36,22 +39,27 @@ Attend = Callable[[Any, int, AttentionSpec | GatedDeltaNetSpec, AttentionParams 
 @struct.dataclass
 class LayerParams:
     """One decoder layer (H hidden): its norms, token mixer (``attention``: softmax attention, or
-    Gated DeltaNet's linear attention) and feed-forward block."""
+    Gated DeltaNet's linear attention) and feed-forward block; a DFlash2 draft layer's dynamic
+    convolutions around each (``nn.dynamic_conv``)."""
 
     input_norm: jax.Array              # [H]
     attention: AttentionParams | GatedDeltaNetParams
     post_attention_norm: jax.Array     # [H]
     ffn: MLPParams | MoEParams
+    attention_conv: ConvParams | None = None
+    mlp_conv: ConvParams | None = None
 
 
 def init_layer(spec: LayerSpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> LayerParams:
     """Random layer (normal(0, scale) weights, unit norms): for tests and benchmarks."""
-    k_attn, k_ffn = jax.random.split(key)
+    k_attn, k_ffn, k_conv1, k_conv2 = jax.random.split(key, 4)
     init_ffn = init_mlp if isinstance(spec.ffn, MLPSpec) else init_moe
     ones = lambda: jax.numpy.ones((hidden,), dtype)  # noqa: E731 (one buffer each: training donates them)
     init_mixer = init_attention if isinstance(spec.mixer, AttentionSpec) else init_gated_deltanet
+    conv = (lambda k: init_conv(spec.conv, hidden, k, dtype, scale)) if spec.conv else (lambda k: None)  # noqa: E731
     return LayerParams(input_norm=ones(), attention=init_mixer(spec.mixer, hidden, k_attn, dtype, scale),
-                       post_attention_norm=ones(), ffn=init_ffn(spec.ffn, hidden, k_ffn, dtype, scale))
+                       post_attention_norm=ones(), ffn=init_ffn(spec.ffn, hidden, k_ffn, dtype, scale),
+                       attention_conv=conv(k_conv1), mlp_conv=conv(k_conv2))
 
 
 def norm_scale(weight: jax.Array | None) -> jax.Array | None:
@@ -84,6 +92,8 @@ def layer_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, index: int
     """One layer on x [B, T, H] at ``positions`` [B, T] (``tensor_axis``: the layer is one
     shard's part, its row-parallel outputs summed over that mesh axis)."""
     mixer = spec.mixer
+    if spec.conv is not None:
+        return _convolved_layer(x, params, spec, index, positions, attend, state, eps, impl, tensor_axis)
     if isinstance(mixer, AttentionSpec):
         projected = attention.project_qkv(x, params.attention, params.input_norm, eps, impl)
         out, state = attend(state, index, mixer, params.attention, projected, positions)
@@ -93,6 +103,25 @@ def layer_forward(x: jax.Array, params: LayerParams, spec: LayerSpec, index: int
         out, state = attend(state, index, mixer, params.attention, projected, positions)
         x = gated_deltanet.output(x, out, projected, params.attention, mixer, eps, impl, tensor_axis)
     return feed_forward(x, params, spec, eps, impl, tensor_axis), state
+
+
+def _convolved_layer(x: jax.Array, params: LayerParams, spec: LayerSpec, index: int, positions: jax.Array,
+                     attend: Attend, state: Any, eps: float, impl: str,
+                     tensor_axis: str | None) -> tuple[jax.Array, Any]:
+    """A DFlash2 draft layer: each sublayer's normed input convolved before it, its output after
+    it (``nn.dynamic_conv``; the positions of x are the block's). Attention and a dense MLP, on
+    one device."""
+    if not isinstance(spec.mixer, AttentionSpec) or not isinstance(spec.ffn, MLPSpec) or tensor_axis is not None:
+        raise ValueError("a convolved (DFlash2) layer is softmax attention and a dense MLP, on one device")
+    h, after = dynamic_conv.prepare(rms_norm(x, params.input_norm, eps), params.attention_conv, spec.conv)
+    projected = ops.project(h, params.attention.qkv_proj, bias=params.attention.qkv_bias, impl=impl)
+    out, state = attend(state, index, spec.mixer, params.attention, projected, positions)
+    out = ops.project(out.reshape(*out.shape[:2], -1), params.attention.o_proj, bias=params.attention.o_bias,
+                      impl=impl)
+    x = x + dynamic_conv.finish(out, after, params.attention_conv, spec.conv)
+    h, after = dynamic_conv.prepare(rms_norm(x, params.post_attention_norm, eps), params.mlp_conv, spec.conv)
+    y = mlp.swiglu(h, params.ffn, impl)
+    return x + dynamic_conv.finish(y, after, params.mlp_conv, spec.conv), state
 
 
 def run(layers: Sequence[LayerParams], specs: Sequence[LayerSpec], x: jax.Array, positions: jax.Array,

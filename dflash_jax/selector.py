@@ -1,0 +1,100 @@
+"""DFlash2's candidate selector: instead of each block position's own argmax (or sample), the
+draft keeps its ``top_k`` tokens per position and walks the block left to right, scoring each
+candidate by its draft logit plus a low-rank bigram term between the token chosen before it and
+the candidate, modulated by the position's hidden state:
+
+    score[t, j] = logit[t, cand[t, j]] + sum_r pred[prev, r] * (h[t] W)[r] * succ[cand[t, j], r]
+
+Greedy (temperature 0) takes the best score; sampling draws from softmax(score / T) over the k
+candidates, and that k-way distribution is the draft's q in rejection sampling (zero outside the
+candidates; no top-p / top-k on it, as the reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.hf_json import ConfigError
+from dflash_jax.nn.initializers import normal
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorSpec:
+    """``top_k`` candidates per position; bigram codebooks of rank ``rank``."""
+
+    rank: int
+    top_k: int
+
+    def __post_init__(self):
+        if self.rank < 1 or self.top_k < 1:
+            raise ConfigError(f"selector_rank and selector_top_k must be >= 1, got {self.rank} and {self.top_k}")
+
+
+@struct.dataclass
+class SelectorParams:
+    """V vocabulary, r rank, H hidden."""
+
+    predecessor_codebook: jax.Array   # [V, r]
+    successor_codebook: jax.Array     # [V, r]
+    hidden_projection: jax.Array      # [H, r]
+
+
+def init_selector(spec: SelectorSpec, vocab: int, hidden: int, key: jax.Array, dtype,
+                  scale: float = 0.02) -> SelectorParams:
+    """Random weights (normal(0, scale)): for tests and benchmarks."""
+    keys = jax.random.split(key, 3)
+    return SelectorParams(predecessor_codebook=normal(keys[0], (vocab, spec.rank), dtype, scale),
+                          successor_codebook=normal(keys[1], (vocab, spec.rank), dtype, scale),
+                          hidden_projection=normal(keys[2], (hidden, spec.rank), dtype, scale))
+
+
+def select(params: SelectorParams, spec: SelectorSpec, hidden: jax.Array, logits: jax.Array, anchor: jax.Array,
+           temperature: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The path of draft tokens [B, P] for hidden [B, P, H] and its logits [B, P, V] after the
+    anchor (the last committed token) [B]: (path, candidates [B, P, k], the per-position k-way
+    probabilities [B, P, k] f32 when sampling at ``temperature`` (scalar or [B]; a row at 0 is
+    greedy) with ``key`` (one, or one per row [B]), else None). Candidates in descending logit
+    order."""
+    if logits.shape[-1] < spec.top_k:
+        raise ConfigError(f"selector_top_k {spec.top_k} exceeds the vocabulary {logits.shape[-1]}")
+    unary, candidates = jax.lax.top_k(logits.astype(jnp.float32), spec.top_k)
+    projected = hidden @ params.hidden_projection                                      # [B, P, r]
+    successors = params.successor_codebook[candidates]                                 # [B, P, k, r]
+    sampling = temperature is not None
+
+    def position(prev, inputs):
+        unary_t, cand_t, proj_t, succ_t, key_t = inputs
+        bigram = params.predecessor_codebook[prev] * proj_t                           # [B, r]
+        scores = unary_t + jnp.einsum("br,bkr->bk", bigram, succ_t, preferred_element_type=jnp.float32)
+        if sampling:  # a greedy row (temperature 0) among sampled ones: one-hot at its best score
+            greedy = temperature[:, None] <= 0
+            probs = jnp.where(greedy, jax.nn.one_hot(jnp.argmax(scores, axis=-1), scores.shape[-1]),
+                              jax.nn.softmax(scores / jnp.where(greedy, 1.0, temperature[:, None]), axis=-1))
+            index = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(key_t, probs)
+        else:
+            probs, index = None, jnp.argmax(scores, axis=-1)
+        chosen = jnp.take_along_axis(cand_t, index[:, None], axis=1)[:, 0]
+        return chosen, (chosen, probs)
+
+    steps = hidden.shape[1]
+    if sampling:
+        temperature = jnp.broadcast_to(temperature, anchor.shape)
+        rows = jax.random.split(key, anchor.shape[0]) if key.ndim == 0 else key
+        keys = jax.vmap(lambda k: jax.random.split(k, steps))(rows).swapaxes(0, 1)    # [P, B]
+    else:
+        keys = jnp.zeros((steps,), jnp.int32)
+    per_position = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
+    _, (path, probs) = jax.lax.scan(position, anchor, (per_position(unary), per_position(candidates),
+                                                       per_position(projected), per_position(successors), keys))
+    return per_position(path), candidates, None if probs is None else per_position(probs)
+
+
+def dense_probs(candidates: jax.Array, probs: jax.Array, vocab: int) -> jax.Array:
+    """The selector's k-way probabilities [B, P, k] at their candidates' ids [B, P, k] as dense
+    rows [B, P, V] (zero elsewhere): the draft's q for rejection sampling."""
+    dense = jnp.zeros((*candidates.shape[:-1], vocab), jnp.float32)
+    rows = jnp.arange(candidates.shape[0])[:, None, None], jnp.arange(candidates.shape[1])[None, :, None]
+    return dense.at[rows[0], rows[1], candidates].add(probs)
