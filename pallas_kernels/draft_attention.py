@@ -42,8 +42,9 @@ def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: j
                                     block_k: jax.Array, block_v: jax.Array,
                                     block_lens: jax.Array | None = None, *,
                                     sliding_window: int | None = None,
-                                    causal: bool = False) -> jax.Array:
-    """q, block_k/v: [B, T, H*, D]; pages [P, S, Hkv, D]; page_table [B, n]; lens [B] int32."""
+                                    causal: bool = False, sinks: jax.Array | None = None) -> jax.Array:
+    """q, block_k/v: [B, T, H*, D]; pages [P, S, Hkv, D]; page_table [B, n]; lens [B] int32;
+    sinks [Hq] or None (``masked_gqa_attention``)."""
     check_sliding_window(sliding_window)
     batch, block = q.shape[:2]
     if block_lens is None:
@@ -68,7 +69,7 @@ def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: j
         visible &= distance < sliding_window
         if not causal:
             visible &= -distance < sliding_window
-    return masked_gqa_attention(q, keys, values, visible)
+    return masked_gqa_attention(q, keys, values, visible, sinks)
 
 
 def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, *lse_refs,
@@ -121,7 +122,7 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           page_table: jax.Array, context_lens: jax.Array, block_k: jax.Array,
                           block_v: jax.Array, block_lens: jax.Array | None = None, *,
                           sliding_window: int | None = None, causal: bool = False,
-                          interpret: bool = False, block_t: int | None = None,
+                          sinks: jax.Array | None = None, interpret: bool = False, block_t: int | None = None,
                           pages_per_block: int | None = None, num_splits: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           pallas_merge: bool | None = None) -> jax.Array:
@@ -158,4 +159,4 @@ def paged_draft_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return paged_attention_call(
         kernel, q, k_pages, v_pages, page_table, [context_lens, block_lens],
         [block_k.astype(k_pages.dtype), block_v.astype(v_pages.dtype)], blocks,
-        interpret=interpret, name="paged_draft_attention")
+        interpret=interpret, name="paged_draft_attention", sinks=sinks)

@@ -254,3 +254,21 @@ def json_of(folder):
     import json
 
     return json.loads((folder / "config.json").read_text())
+
+
+def test_the_serving_engine_runs_dflash2_beside_sampled_requests(qwen3_dflash2):
+    """Through the engine (slots, chunks, per-row sampling): greedy requests equal offline
+    greedy generation while sampled ones share the batch (per-row temperatures reach the selector)."""
+    from dflash_jax.engine import Engine, RequestParams
+    from dflash_jax.sampling import SamplingConfig
+
+    _, _, target, draft, _ = qwen3_dflash2
+    prompts = _prompts(target.config.vocab_size, seed=4, lens=(6, 9, 12, 8))
+    engine = Engine(target, draft, max_num_seqs=3, max_model_len=64, page_size=8, chunk_steps=2, impl="reference")
+    greedy, sampled = RequestParams(max_tokens=20), RequestParams(max_tokens=20, sampling=SamplingConfig(0.8), seed=3)
+    requests = [engine.submit(p, greedy if i % 2 == 0 else sampled) for i, p in enumerate(prompts)]
+    engine.run_until_done()
+    expected = generate(target, prompts[::2], draft=draft, max_new_tokens=20, impl="reference").tokens
+    assert [r.token_ids for r in requests[::2]] == expected
+    assert all(len(r.token_ids) == 20 for r in requests[1::2])
+    assert engine.pages_in_use == 0

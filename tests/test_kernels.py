@@ -189,11 +189,17 @@ DRAFT_CASES = [(*c, *DRAFT_SHAPES[(i + i // 2) % 4], TUNINGS[(i + i // 4) % 4])
     ("f32", 4, False, None, 64, 16, 24, {}), ("bf16", 1, True, 20, 128, 32, 32, {"num_splits": 2})]
 
 
-@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_draft_attention(case, interpret, check):
+# with attention sinks: causal or not, windowed or not, one split or several
+DRAFT_SINK_CASES = [("f32", 4, False, None, 64, 16, 16, {}), ("bf16", 2, True, 12, 64, 16, 8, {"num_splits": 2}),
+                    ("f32", 5, False, 6, 64, 32, 16, {"num_splits": 3})]
+
+
+@pytest.mark.parametrize("case, with_sinks", [(c, False) for c in DRAFT_CASES] + [(c, True) for c in DRAFT_SINK_CASES],
+                         ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else ("sinks" if c else "plain"))
+def test_draft_attention(case, with_sinks, interpret, check):
     dtype, group, causal, window, head_dim, page_size, block, tuning = case
     dtype = DTYPES[dtype]
-    rng = _rng("draft", case)
+    rng = _rng("draft", case, with_sinks)
     kv_heads = 2
     ctx = [0, 1, 2 * page_size, int(rng.integers(2, 4 * page_size))]
     blens = [block, block // 2, 0, int(rng.integers(1, block + 1))]
@@ -209,11 +215,12 @@ def test_draft_attention(case, interpret, check):
     block_v[pad] = np.nan
     block_k, block_v = jnp.asarray(block_k, dtype), jnp.asarray(block_v, dtype)
     ctx, blens = jnp.asarray(ctx, jnp.int32), jnp.asarray(blens, jnp.int32)
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, kv_heads * group), dtype) if with_sinks else None
     out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, blens,
-                                   sliding_window=window, causal=causal, interpret=interpret,
+                                   sliding_window=window, causal=causal, sinks=sinks, interpret=interpret,
                                    **tuning)
     ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v,
-                     blens, sliding_window=window, causal=causal)
+                     blens, sliding_window=window, causal=causal, sinks=sinks)
     check(out, ref, dtype)
 
 
@@ -720,6 +727,9 @@ LOWERINGS = {
     "draft_f32_two_sided_window": (pk.paged_draft_attention, _draft_shapes(dtype=jnp.float32),
                                    {"sliding_window": 8}),
     "draft_block_24": (pk.paged_draft_attention, _draft_shapes(block=24), {}),
+    "draft_sinks": (lambda q, k, v, t, c, bk, bv, bl, sinks: pk.paged_draft_attention(q, k, v, t, c, bk, bv, bl,
+                                                                                     sinks=sinks),
+                    (*_draft_shapes(), S((32,), BF)), {}),
     "verify_f16_head_dim_64_page_32": (pk.paged_verify_attention,
                                        _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
     "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
