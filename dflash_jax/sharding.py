@@ -193,11 +193,9 @@ def _ffn_layout(params, spec, expert_parallel: bool) -> Any:
     shared = None if params.shared is None else _mlp_layout(params.shared, spec.shared_intermediate_size)
     if expert_parallel:
         gate_up, down = LeafLayout(P(TP_AXIS, None, None)), LeafLayout(P(TP_AXIS, None, None))
-    else:
-        gate_up, down = LeafLayout(P(None, None, TP_AXIS), (width, width)), LeafLayout(P(None, TP_AXIS, None))
-    if expert_parallel:
         gate_up_bias, down_bias = LeafLayout(P(TP_AXIS, None)), LeafLayout(P(TP_AXIS, None))
-    else:
+    else:  # the output bias whole on every shard: one shard adds it (``moe.forward``)
+        gate_up, down = LeafLayout(P(None, None, TP_AXIS), (width, width)), LeafLayout(P(None, TP_AXIS, None))
         gate_up_bias, down_bias = LeafLayout(P(None, TP_AXIS), (width, width)), REPLICATED
     return MoEParams(router=REPLICATED, gate_up_proj=gate_up, down_proj=down, shared=shared,
                      shared_gate=_present(params.shared_gate, REPLICATED),
