@@ -480,16 +480,23 @@ def _routing(rng, tokens: int, top_k: int, experts: int, kind: str) -> np.ndarra
     return np.stack(rows)
 
 
-@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_routed_experts(case, interpret, check):
-    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing = case
+def _expert_inputs(rng, case, gate_up_std: float = 0.1):
+    """x [N, H], routing experts and weights [N, k], gate_up [E, H, 2I] and down [E, I, H] of an
+    EXPERT_CASES case, in its dtype."""
+    dtype, tokens, top_k, num_experts, hidden, width, _, routing = case
     dtype = DTYPES[dtype]
-    rng = _rng("experts", case)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
     experts = jnp.asarray(_routing(rng, tokens, top_k, num_experts, routing), jnp.int32)
     weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
-    gate_up = jnp.asarray(0.1 * rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
+    gate_up = jnp.asarray(gate_up_std * rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
     down = jnp.asarray(0.1 * rng.standard_normal((num_experts, width, hidden)), dtype)
+    return x, experts, weights, gate_up, down
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_routed_experts(case, interpret, check):
+    dtype, block_m = DTYPES[case[0]], case[6]
+    x, experts, weights, gate_up, down = _expert_inputs(_rng("experts", case), case)
     out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
@@ -499,14 +506,10 @@ def test_routed_experts(case, interpret, check):
 def test_routed_experts_with_biases_and_clamped_swiglu(case, interpret, check):
     """gpt-oss's experts: biases on both projections and the clamped SwiGLU, with values large
     enough that the clamp at 7 cuts some; the reference against the formula written out per pair."""
-    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing = case
+    dtype, tokens, top_k, num_experts, hidden, width, block_m, _ = case
     dtype = DTYPES[dtype]
     rng = _rng("experts-gpt-oss", case)
-    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
-    experts = jnp.asarray(_routing(rng, tokens, top_k, num_experts, routing), jnp.int32)
-    weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
-    gate_up = jnp.asarray(rng.standard_normal((num_experts, hidden, 2 * width)), dtype)
-    down = jnp.asarray(0.1 * rng.standard_normal((num_experts, width, hidden)), dtype)
+    x, experts, weights, gate_up, down = _expert_inputs(rng, case, gate_up_std=1.0)
     gate_up_bias = jnp.asarray(rng.normal(0, 2, (num_experts, 2 * width)), dtype)
     down_bias = jnp.asarray(rng.normal(0, 1, (num_experts, hidden)), dtype)
     kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
