@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array 
 from dflash_jax.models import Draft, Target  # noqa: E402
 from dflash_jax.nn.moe import MoESpec  # noqa: E402
 from dflash_jax.sharding import TensorParallel, make_mesh  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
 # Batches and contexts per shape when not given: the issue's grid at Qwen3-8B, a CPU smoke test at
@@ -65,7 +67,8 @@ _CPU_GRID = {"batches": [1, 8], "contexts": [16, 64], "parts_batches": [1], "blo
 SHAPE_DEFAULTS = {"qwen3-8b": _GPU_GRID, "qwen3-8b-dflash2": _GPU_GRID, "qwen3-32b": _GPU_GRID, "qwen3-30b-a3b": _GPU_GRID, "qwen3.5-27b": _GPU_GRID,
                   "qwen3.5-35b-a3b": _GPU_GRID, "tiny": _CPU_GRID, "tiny-moe": _CPU_GRID, "tiny-hybrid": _CPU_GRID,
                   "llama3.1-8b": {**_GPU_GRID, "blocks": [4, 8, 10]},  # z-lab's LLaMA draft: block 10
-                  "gpt-oss-20b": {**_GPU_GRID, "blocks": [4, 8]}, "tiny-gpt-oss": _CPU_GRID,
+                  "gpt-oss-20b": {**_GPU_GRID, "blocks": [4, 8]}, "gpt-oss-20b-mxfp4": {**_GPU_GRID, "blocks": [4, 8]},
+                  "tiny-gpt-oss": _CPU_GRID, "tiny-gpt-oss-mxfp4": _CPU_GRID,
                   "tiny-dflash2": _CPU_GRID}  # its draft: block 8
 PARTS_CONTEXT, PARTS_BLOCK = 512, 16  # the parts' block: 16, or the draft's trained block when smaller
 REFERENCE_BLOCK = 16  # bench_reference.py times the reference's DFlash step at this block
@@ -87,7 +90,8 @@ def nbytes(tree) -> int:
 
 
 def nparams(tree) -> int:
-    return sum(x.size for x in jax.tree.leaves(tree))
+    """Weights, an MXFP4 weight counted by its logical shape (not its bytes)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, pk.Mxfp4Weight)))
 
 
 @dataclasses.dataclass(frozen=True)

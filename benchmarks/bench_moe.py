@@ -1,9 +1,10 @@
 """A MoE layer's routed experts at Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2048, width
-768, bf16): XLA's grouped matmul (``jax.lax.ragged_dot``, the reference), the Pallas kernel that
+768, bf16) or gpt-oss-20b's (32 experts, top 4, hidden and width 2880; bf16, or MXFP4 as released,
+where the kernel decodes the codes as it reads them): XLA's grouped matmul (``jax.lax.ragged_dot``, the reference), the Pallas kernel that
 reads only the routed experts (``pallas_kernels.routed_experts``), a gather of the routed
 experts' weights then one batched product, and a dense loop over every expert, each against the
 bytes the tokens' routing must read (its distinct experts' weights) at the measured copy
-bandwidth, in one run.
+bandwidth, in one run (MXFP4: the reference and the kernel; the others index dense weights).
 
 Each timed call runs ``--layers`` layers' experts in turn inside one jitted loop (1.2 GB a layer:
 no call finds the last call's weights in L2), each layer's weights their own arrays as in the
@@ -33,7 +34,7 @@ from common import (SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_sec
 from profile_step import kernel_events, summarize  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from dflash_jax.nn.moe import MoESpec  # noqa: E402
+from dflash_jax.nn.moe import MoESpec, init_moe  # noqa: E402
 from pallas_kernels.routed_experts import TUNING_ARGS  # noqa: E402
 
 METHODS = ("ragged_dot", "pallas", "gather", "dense_loop")
@@ -103,8 +104,9 @@ def time_method(fn, layers, tokens: int, spec: MoESpec, iterations: int, repeats
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out", type=output_dir, default="out")
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny-moe"],
-                        help="tiny-moe: CPU smoke test")
+    parser.add_argument("--shape", default="qwen3-30b-a3b",
+                        choices=["qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-20b-mxfp4", "tiny-moe", "tiny-gpt-oss-mxfp4"],
+                        help="tiny-*: CPU smoke tests")
     parser.add_argument("--tokens", type=positive_ints, default="1,8,16,32,128,512")
     parser.add_argument("--methods", type=names_from(METHODS), default=",".join(METHODS))
     parser.add_argument("--tunings", type=tuning_sets(TUNING_ARGS), default="{}", help="kernel variants, e.g. '{};{\"block_n\": 32}'")
@@ -122,17 +124,20 @@ def main(argv: list[str] | None = None):
     config = SHAPES[args.shape][0]
     spec = next(layer.ffn for layer in config.layers if isinstance(layer.ffn, MoESpec))
     hidden, width = config.hidden_size, spec.intermediate_size
-    copies = copy_bandwidth(1024 if args.shape != "tiny-moe" else 8)
+    copies = copy_bandwidth(8 if args.shape.startswith("tiny") else 1024)
     bandwidth = copy_ceiling_bytes_per_s(copies)
-    expert_bytes = 3 * hidden * width * 2
+    keys = jax.random.split(jax.random.key(0), args.layers)
+    layers = []
+    for key in keys:
+        params = init_moe(spec, hidden, key, jnp.bfloat16)
+        layers.append((params.gate_up_proj, params.down_proj))
+    expert_bytes = sum(x.nbytes for x in jax.tree.leaves(layers[0])) / spec.num_experts
     report = run_record(args)
     report.update(copies_GBps=copies, expert_bytes=expert_bytes, cells=[])
     save = functools.partial(write_json, args.out / "bench_moe.json", report)
-    keys = jax.random.split(jax.random.key(0), 2 * args.layers)
-    layers = [((0.02 * jax.random.normal(keys[2 * i], (spec.num_experts, hidden, 2 * width))).astype(jnp.bfloat16),
-               (0.02 * jax.random.normal(keys[2 * i + 1], (spec.num_experts, width, hidden))).astype(jnp.bfloat16))
-              for i in range(args.layers)]
-    table = {name: fn for name, fn in methods(args.tunings).items() if name.split(" ")[0] in args.methods}
+    usable = ("ragged_dot", "pallas") if spec.mxfp4 else METHODS
+    table = {name: fn for name, fn in methods(args.tunings).items()
+             if name.split(" ")[0] in args.methods and name.split(" ")[0] in usable}
     for tokens in args.tokens:
         for name, fn in table.items():
             if name == "dense_loop" and tokens > args.dense_loop_max_tokens:
@@ -152,7 +157,8 @@ def main(argv: list[str] | None = None):
             print(f"tokens {tokens:4d} {name:40s} {seconds * 1e6:9.1f} us  ({distinct:5.1f} experts, floor "
                   f"{floor * 1e6:7.1f} us, {floor / seconds:5.2f})", file=sys.stderr, flush=True)
     print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | copy {bandwidth / 1e12:.2f} TB/s | "
-          f"{args.shape} experts ({spec.num_experts} x top {spec.top_k}, hidden {hidden}, width {width}, bf16)")
+          f"{args.shape} experts ({spec.num_experts} x top {spec.top_k}, hidden {hidden}, width {width}, "
+          f"{'mxfp4' if spec.mxfp4 else 'bf16'})")
     print("tokens  method                                        us/layer  experts  floor us  fraction")
     for cell in report["cells"]:
         print(f"{cell['tokens']:6d}  {cell['method']:44s} {cell['us']:8.1f} {cell['experts']:8.1f} "

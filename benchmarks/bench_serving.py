@@ -181,8 +181,8 @@ def soak(target, draft, tokenizer, args, rng, clients: ProcessPoolExecutor, prog
         drive_elsewhere(clients, server.url, warm, c, args.max_tokens)
         figures = {"seconds": args.soak_seconds, "concurrency": c, "pages_total": engine.num_pages,
                    "before": {"pages_in_use": engine.pages_in_use, "device_bytes_in_use": memory()}}
-        start, rounds, requests, tokens = time.monotonic(), 0, 0, 0
-        while time.monotonic() < start + args.soak_seconds:
+        start, rounds, requests, tokens, elapsed = time.monotonic(), 0, 0, 0, 0.0
+        while elapsed < args.soak_seconds:  # (the figures' elapsed: a last round reports >= the soak)
             batch = random_prompts(rng, c, args.prompt_len, target.config.vocab_size)
             records = drive_elsewhere(clients, server.url, batch, c, args.max_tokens)[0]
             rounds, requests, tokens = rounds + 1, requests + len(records), tokens + sum(r["tokens"] for r in records)

@@ -92,9 +92,9 @@ DFLASH_DRAFT_35_35B_A3B = DraftConfig(
     model=uniform_config(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_layers=8, num_heads=32,
                          num_kv_heads=4, head_dim=128, rope_theta=1e7),
     block_size=16, mask_token_id=248070, target_layer_ids=(1, 10, 19, 28, 37), num_target_layers=40)
-# gpt-oss-20b (its released config less the MXFP4: random bf16 experts): 24 layers alternating a
-# 128-token window and full attention, 64/8 heads x 64 with sinks and biases, 32 experts (top 4,
-# width 2880, biased, clamped SwiGLU); z-lab's draft: 8 Qwen3 layers with attention biases, block 8.
+# gpt-oss-20b: 24 layers alternating a 128-token window and full attention, 64/8 heads x 64 with
+# sinks and biases, 32 experts (top 4, width 2880, biased, clamped SwiGLU) in MXFP4 as released, or
+# dequantised (random bf16 experts); z-lab's draft: 8 Qwen3 layers with attention biases, block 8.
 
 
 def gpt_oss_shape(**fields) -> ModelConfig:
@@ -107,9 +107,11 @@ def biased_attention(config: ModelConfig) -> ModelConfig:
                                     for layer in config.layers))
 
 
-GPT_OSS_20B = gpt_oss_shape(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
-                            hidden_size=2880, intermediate_size=2880, head_dim=64, num_attention_heads=64,
-                            num_key_value_heads=8)
+GPT_OSS_20B_MXFP4 = gpt_oss_shape(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+                                  vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
+                                  num_attention_heads=64, num_key_value_heads=8,
+                                  quantization_config={"quant_method": "mxfp4"})
+GPT_OSS_20B = GPT_OSS_20B_MXFP4.with_dequantized_experts()
 DFLASH_DRAFT_GPT_OSS_20B = DraftConfig(
     model=biased_attention(uniform_config(vocab_size=201088, hidden_size=2880, intermediate_size=7680, num_layers=8,
                                           num_heads=64, num_kv_heads=8, head_dim=64, rope_theta=150000.0,
@@ -127,9 +129,10 @@ TINY_DFLASH2_DRAFT = dataclasses.replace(
 TINY_MOE = uniform_config(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=40960,
                           ffn=MoESpec(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True))
-TINY_GPT_OSS = gpt_oss_shape(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=512,
-                             hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
-                             num_key_value_heads=2, sliding_window=8)
+TINY_GPT_OSS_MXFP4 = gpt_oss_shape(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=512,
+                                   hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
+                                   num_key_value_heads=2, sliding_window=8, quantization_config={"quant_method": "mxfp4"})
+TINY_GPT_OSS = TINY_GPT_OSS_MXFP4.with_dequantized_experts()
 TINY_HYBRID = uniform_config(family="qwen3_5_release", vocab_size=512, hidden_size=64, intermediate_size=128,
                              num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, output_gate=True,
                              rope=RopeSpec(theta=1e7, rotary_dim=8), layer_types=HYBRID_TYPES(4),
@@ -140,14 +143,16 @@ SHAPES = {"qwen3-8b": (QWEN3_8B, DFLASH_DRAFT_8B), "qwen3-8b-dflash2": (QWEN3_8B
           "qwen3-30b-a3b": (QWEN3_30B_A3B, DFLASH_DRAFT_30B_A3B), "qwen3.5-27b": (QWEN35_27B, DFLASH_DRAFT_35_27B),
           "qwen3.5-35b-a3b": (QWEN35_35B_A3B, DFLASH_DRAFT_35_35B_A3B), "tiny": (TINY, TINY_DRAFT),
           "gpt-oss-20b": (GPT_OSS_20B, DFLASH_DRAFT_GPT_OSS_20B),
+          "gpt-oss-20b-mxfp4": (GPT_OSS_20B_MXFP4, DFLASH_DRAFT_GPT_OSS_20B),
           "tiny-moe": (TINY_MOE, TINY_DRAFT), "tiny-hybrid": (TINY_HYBRID, TINY_DRAFT),
-          "tiny-gpt-oss": (TINY_GPT_OSS, TINY_DRAFT), "tiny-dflash2": (TINY, TINY_DFLASH2_DRAFT)}
+          "tiny-gpt-oss": (TINY_GPT_OSS, TINY_DRAFT), "tiny-gpt-oss-mxfp4": (TINY_GPT_OSS_MXFP4, TINY_DRAFT),
+          "tiny-dflash2": (TINY, TINY_DFLASH2_DRAFT)}
 # Per shape: the copy-bandwidth buffer (MiB) and the side of the square bf16 matmul ceiling, large
 # enough to reach the GPU's peak at the real shape and quick on a CPU at the tiny one.
 CEILING_SIZES = {"qwen3-8b": (1024, 8192), "qwen3-8b-dflash2": (1024, 8192), "qwen3-32b": (1024, 8192), "llama3.1-8b": (1024, 8192),
                  "qwen3-30b-a3b": (1024, 8192),
                  "qwen3.5-27b": (1024, 8192), "qwen3.5-35b-a3b": (1024, 8192),
-                 "gpt-oss-20b": (1024, 8192),
+                 "gpt-oss-20b": (1024, 8192), "gpt-oss-20b-mxfp4": (1024, 8192), "tiny-gpt-oss-mxfp4": (8, 512),
                  "tiny": (8, 512), "tiny-moe": (8, 512), "tiny-hybrid": (8, 512), "tiny-gpt-oss": (8, 512),
                  "tiny-dflash2": (8, 512)}
 

@@ -104,11 +104,13 @@ def _load_tensor(handle, path: Path, name: str) -> np.ndarray:
         raise CheckpointError(f"{path}: tensor '{name}' could not be read ({error})") from error
 
 
-def iter_tensors(directory: Path) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
+def iter_tensors(directory: Path, packed_mxfp4: bool = False
+                 ) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
     """(name, load, shape) for every tensor, loading one tensor at a time on demand. An MXFP4
     pair (uint8 ``<name>_blocks`` and ``<name>_scales``, gpt-oss's experts) comes as the one
     tensor ``<name>`` in transformers' layout, dequantised to float32 when loaded
-    (``mxfp4.dequantize_pair``); CheckpointError for half a pair."""
+    (``mxfp4.dequantize_pair``), or with ``packed_mxfp4`` as its two tensors, the blocks' last two
+    axes [G, 16] flattened (``Slot.mxfp4``); CheckpointError for half a pair."""
     parts: dict[str, dict[str, tuple[Path, tuple[int, ...]]]] = {}
     for path in safetensors_files(directory):
         with _open_safetensors(path) as handle:
@@ -117,18 +119,31 @@ def iter_tensors(directory: Path) -> Iterator[tuple[str, Callable[[], np.ndarray
                 shape = tuple(piece.get_shape())
                 suffix = name[-len(mxfp4.BLOCKS_SUFFIX):]
                 if piece.get_dtype() == "U8" and suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX):
-                    pair = parts.setdefault(name[:-len(suffix)], {})
+                    base = name[:-len(suffix)]
+                    pair = parts.setdefault(base, {})
                     pair[suffix] = (path, shape)
-                    if len(pair) == 2:
-                        base = name[:-len(suffix)]
-                        yield base, functools.partial(_dequantized, base, parts.pop(base)), \
-                            _checked_mxfp4_shape(directory, base, parts_of=pair)
+                    if len(pair) < 2:
+                        continue
+                    dequantized_shape = _checked_mxfp4_shape(directory, base, parts_of=pair)
+                    if not packed_mxfp4:
+                        yield base, functools.partial(_dequantized, base, parts.pop(base)), dequantized_shape
+                        continue
+                    for part, (part_path, part_shape) in sorted(parts.pop(base).items()):
+                        if part == mxfp4.BLOCKS_SUFFIX:
+                            part_shape = part_shape[:-2] + (part_shape[-2] * part_shape[-1],)
+                        yield base + part, functools.partial(_packed_part, part_path, base + part, part_shape), part_shape
                     continue
                 yield name, (lambda h=handle, p=path, n=name: _load_tensor(h, p, n)), shape
     if parts:
         base, pair = next(iter(parts.items()))
         have, lack = next(iter(pair)), ({mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX} - set(pair)).pop()
         raise CheckpointError(f"{directory}: MXFP4 tensor '{base}{have}' has no '{base}{lack}'")
+
+
+def _packed_part(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One half of an MXFP4 pair as stored, in ``shape`` (the blocks' [G, 16] flattened)."""
+    with _open_safetensors(path) as handle:
+        return _load_tensor(handle, path, name).reshape(shape)
 
 
 def _checked_mxfp4_shape(directory: Path, base: str, parts_of: dict) -> tuple[int, ...]:
@@ -147,15 +162,16 @@ def _dequantized(base: str, pair: dict) -> np.ndarray:
     return mxfp4.dequantize_pair(arrays[mxfp4.BLOCKS_SUFFIX], arrays[mxfp4.SCALES_SUFFIX])
 
 
-def _count_tensors(directory: Path) -> int:
-    return sum(1 for _ in iter_tensors(directory))
+def _count_tensors(directory: Path, packed_mxfp4: bool) -> int:
+    return sum(1 for _ in iter_tensors(directory, packed_mxfp4))
 
 
 def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ignored: Callable[[str], bool], *,
-                  progress: bool) -> Iterator[tuple[tuple, np.ndarray]]:
+                  progress: bool, packed_mxfp4: bool = False) -> Iterator[tuple[tuple, np.ndarray]]:
     """Stream every tensor of an HF folder into its slot and yield each leaf (key path, host
     array) as soon as it is whole: check name and shape before loading, transpose Linear
-    weights, cast floats to ``dtype`` (id maps to int32). A tensor that fills part of a leaf
+    weights, cast floats to ``dtype`` (id maps to int32; MXFP4 pairs dequantised, or with
+    ``packed_mxfp4`` kept as their uint8 halves). A tensor that fills part of a leaf
     (``Slot.columns``, ``Slot.expert``) is copied into the leaf's buffer, allocated at its first
     part (the shapes come from ``structure``, the params' ShapeDtypeStructs). Holds one source
     tensor at a time besides the leaves still incomplete. CheckpointError for tensors missing at
@@ -165,9 +181,9 @@ def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ign
     seen = set()
     parts_left = collections.Counter(slot.path for slot in slots.values() if slot.is_part)
     buffers = {}
-    tensors = iter_tensors(directory)
+    tensors = iter_tensors(directory, packed_mxfp4)
     if progress:
-        tensors = tqdm(tensors, total=_count_tensors(directory), desc=f"reading {directory.name}",
+        tensors = tqdm(tensors, total=_count_tensors(directory, packed_mxfp4), desc=f"reading {directory.name}",
                        unit="tensor", file=sys.stderr)
     for name, load, shape in tensors:
         slot = slots.get(name)
@@ -185,10 +201,11 @@ def stream_leaves(directory: Path, slots: dict[str, Slot], structure, dtype, ign
         if slot.path is None:
             continue
         array = load()
-        kind, target = (jnp.integer, np.int32) if slot.integer else (jnp.floating, dtype)
+        kind, target, expected = ((np.uint8, np.uint8, "MXFP4's uint8") if slot.mxfp4 else
+                                  (jnp.integer, np.int32, "an integer") if slot.integer else
+                                  (jnp.floating, dtype, "a float"))
         if not jnp.issubdtype(array.dtype, kind):
-            raise CheckpointError(f"{where}: tensor '{name}' has dtype {array.dtype}, expected "
-                                  f"{'an integer' if slot.integer else 'a float'} dtype")
+            raise CheckpointError(f"{where}: tensor '{name}' has dtype {array.dtype}, expected {expected} dtype")
         array = host_layout(array, slot.transposed, target, f"{where}: tensor '{name}'")
         if slot.is_part:
             buffer = buffers.get(slot.path)
@@ -227,11 +244,16 @@ def _rotary(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")  # derived, not a weight
 
 
-def _target_source(directory: Path, dtype, progress: bool) -> tuple[ModelConfig, Any, Iterator]:
-    """(config, params structure, leaf stream) of an HF target folder of any family."""
+def _target_source(directory: Path, dtype, progress: bool,
+                   dequantize_experts: bool = False) -> tuple[ModelConfig, Any, Iterator]:
+    """(config, params structure, leaf stream) of an HF target folder of any family; MXFP4
+    experts kept as stored unless ``dequantize_experts``."""
     config = load_target_config(directory)
+    if dequantize_experts:
+        config = config.with_dequantized_experts()
+    packed = config.mxfp4_experts
     names = get_family(config.family).names
-    tensor_names = [name for name, _, _ in iter_tensors(directory)]
+    tensor_names = [name for name, _, _ in iter_tensors(directory, packed)]
     unused = [name for name in tensor_names if names.is_ignored(name)]
     if unused:
         prefixes = sorted({prefix for prefix in names.ignored for name in unused if name.startswith(prefix)})
@@ -245,7 +267,7 @@ def _target_source(directory: Path, dtype, progress: bool) -> tuple[ModelConfig,
 
     def leaves():
         for path, array in stream_leaves(directory, target_slots(config, stacked), structure, dtype, ignored,
-                                         progress=progress):
+                                         progress=progress, packed_mxfp4=packed):
             if path == ("embed",) and config.tie_word_embeddings:
                 _warn_if_head_differs(directory, names.lm_head, array)
             yield path, array
@@ -278,7 +300,7 @@ def _draft_source(directory: Path, dtype, progress: bool) -> tuple[DraftConfig, 
 
 def hf_source(directory: str | Path, kind: str, dtype, *, progress: bool = False) -> tuple[Any, Any, Iterator]:
     """(config, params structure, stream of (key path, host array)) of an HF ``kind`` ("target"
-    or "draft") folder: what conversion writes as it reads."""
+    or "draft") folder: what conversion writes as it reads (MXFP4 experts as stored)."""
     source = _target_source if kind == "target" else _draft_source
     return source(Path(directory), dtype, progress)
 
@@ -293,16 +315,16 @@ def _collect(structure, leaves: Iterator, host: bool, place: Place | None = None
     return _fill(structure, {path: array if host else place(path, array) for path, array in leaves})
 
 
-def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False,
-                   progress: bool = False, place: Place | None = None) -> tuple[ModelConfig, TargetParams]:
+def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False, progress: bool = False,
+                   place: Place | None = None, dequantize_experts: bool = False) -> tuple[ModelConfig, TargetParams]:
     """Load an HF target folder of any supported family (single file or sharded; any float
-    dtype) as ``dtype`` params.
+    dtype) as ``dtype`` params; MXFP4 experts stay MXFP4 unless ``dequantize_experts``.
 
     ``host=True`` keeps numpy leaves; ``progress`` shows a tqdm bar over tensors on stderr;
     ``place(key path, host array)`` puts each leaf where it goes as it is read (default: the
     default device).
     """
-    config, structure, leaves = _target_source(Path(directory), dtype, progress)
+    config, structure, leaves = _target_source(Path(directory), dtype, progress, dequantize_experts)
     return config, _collect(structure, leaves, host, place)
 
 
@@ -375,14 +397,16 @@ def check_speculators_copies(directory: str | Path, target: TargetParams) -> Non
 
 class HFTensor(NamedTuple):
     """One HF tensor of params: ``leaf[expert][..., columns]`` (``expert`` and ``columns`` None:
-    all of it), its last two axes swapped when ``transposed``. Sliced only when read (``host``),
-    so listing a checkpoint's tensors copies nothing."""
+    all of it), its last two axes swapped when ``transposed``; MXFP4 blocks (``mxfp4``
+    "blocks") written [..., G, 16] as stored. Sliced only when read (``host``), so listing a
+    checkpoint's tensors copies nothing."""
 
     name: str
     leaf: Any
     columns: tuple[tuple[int, int], ...] | None
     transposed: bool
     expert: int | None = None
+    mxfp4: str | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -395,7 +419,8 @@ class HFTensor(NamedTuple):
         """The tensor in HF (torch ``[out, in]``) layout as a host array of ``dtype``."""
         leaf = self.leaf if self.expert is None else self.leaf[self.expert]
         leaf = leaf if self.columns is None else leaf[..., column_index(self.columns)]
-        return host_layout(leaf, self.transposed, dtype, f"tensor '{self.name}'")
+        array = host_layout(leaf, self.transposed, dtype, f"tensor '{self.name}'")
+        return array.reshape(*array.shape[:-1], -1, 16) if self.mxfp4 == "blocks" else array
 
 
 def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
@@ -421,7 +446,7 @@ def hf_tensors(slots: dict[str, Slot], params) -> list[HFTensor]:
         leaf = leaves.get(slot.path)
         if leaf is None:
             raise CheckpointError(f"params lack tensor '{name}' that the config requires")
-        tensor = HFTensor(name, leaf, slot.columns, slot.transposed, slot.expert)
+        tensor = HFTensor(name, leaf, slot.columns, slot.transposed, slot.expert, slot.mxfp4)
         if tensor.shape != slot.shape:
             raise CheckpointError(f"tensor '{name}' has shape {list(tensor.shape)} in params, "
                                   f"config expects {list(slot.shape)}")

@@ -139,6 +139,16 @@ class ModelConfig:
     def with_layers(self, specs: tuple[LayerSpec, ...]) -> "ModelConfig":
         return dataclasses.replace(self, layers=tuple(specs))
 
+    @property
+    def mxfp4_experts(self) -> bool:
+        """Whether the routed experts are held in MXFP4 (``MoESpec.mxfp4``)."""
+        return any(getattr(layer.ffn, "mxfp4", False) for layer in self.layers)
+
+    def with_dequantized_experts(self) -> "ModelConfig":
+        """This config with MXFP4 experts held in the params' dtype instead (dequantised as read)."""
+        return self.with_layers(dataclasses.replace(layer, ffn=dataclasses.replace(layer.ffn, mxfp4=False))
+                                if getattr(layer.ffn, "mxfp4", False) else layer for layer in self.layers)
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         """A target's config.json, parsed by the family its ``architectures`` (or ``model_type``)

@@ -33,7 +33,7 @@ from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.engine import Engine, RequestOutput, RequestParams, compile_seconds
 from dflash_jax.decode import (DecodeState, LoopConfig, bucket, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill, state_specs)
-from dflash_jax.models import DTYPES, Draft, Target, load_draft, load_target
+from dflash_jax.models import DTYPES, MXFP4_EXPERTS, Draft, Target, load_draft, load_target
 from dflash_jax.ops import check_kernel_shapes
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.sharding import (TensorParallel, cache_specs, local_config, local_draft_config, make_mesh, named,
@@ -585,6 +585,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: deal a MoE target's routed experts out whole (num_experts / N a device) "
                         "instead of splitting every expert's width")
+    p.add_argument("--mxfp4-experts", choices=MXFP4_EXPERTS, default="auto",
+                   help="how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
+                        "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster decode on "
+                        "an H200), auto (dequantize when that fits 60%% of a device's memory)")
     # Each chunk costs ~2.4 ms of host round trip at Qwen3-8B on an H200 (the GPU idles): 13%
     # of the step time at 4 steps per chunk, 4% at 16, which still streams ~10 updates a second.
     p.add_argument("--chunk-steps", type=int, default=16,
@@ -710,7 +714,8 @@ def _generate(args, processes: distributed.Processes | None) -> int:
                     local_configs.append(local_draft_config(draft_config, tensor_parallel).model)
             check_kernel_shapes(args.impl, local_configs, args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
             keep_compiled_programs(args.compile_cache)
-            target = load_target(target_dir, args.dtype, progress=leader, tensor_parallel=tensor_parallel)
+            target = load_target(target_dir, args.dtype, progress=leader, tensor_parallel=tensor_parallel,
+                                  mxfp4_experts=args.mxfp4_experts)
             draft = load_draft(draft_dir, target, args.dtype, progress=leader) if draft_dir else None
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

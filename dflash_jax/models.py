@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax import checkpoint, sharding
+from pallas_kernels import Mxfp4Weight, dequantize_mxfp4
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 from dflash_jax.sharding import TensorParallel
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+# How MXFP4 experts (gpt-oss) are held: "keep" (MXFP4, decoded by the experts' kernel as it reads
+# them), "dequantize" (the params' dtype, at load), "auto" (see ``dequantizes_experts``)
+MXFP4_EXPERTS = ("auto", "keep", "dequantize")
+# auto dequantises while the dequantised params take at most this share of a device's memory
+# (the rest for the KV cache and activations)
+DEQUANTIZED_SHARE = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +76,72 @@ def _restore_converted(path: Path, kind: str, init, progress: bool, layout=None,
     return checkpoint.restore_params(path, abstract, progress=progress, place=place)
 
 
+def _dequantized_experts(params, dtype, layout, tensor_parallel: TensorParallel | None):
+    """``params`` with every ``Mxfp4Weight`` dequantised to ``dtype`` on its devices, one weight
+    at a time (placed as ``layout``, the dense params' layout tree, says)."""
+    where = None if layout is None else sharding.named(sharding.specs(layout), tensor_parallel.mesh)
+    is_mxfp4 = lambda leaf: isinstance(leaf, Mxfp4Weight)  # noqa: E731
+
+    def convert(leaf, placement):
+        if not is_mxfp4(leaf):
+            return leaf
+        return jax.jit(dequantize_mxfp4, static_argnums=1, out_shardings=placement)(leaf, dtype)
+
+    if where is None:
+        return jax.tree.map(lambda leaf: convert(leaf, None), params, is_leaf=is_mxfp4)
+    return jax.tree.map(convert, params, where, is_leaf=lambda x: is_mxfp4(x) or x is None)
+
+
+def device_memory() -> int | None:
+    """Bytes of memory a local device has (None where it reports none, as a CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def dequantizes_experts(config: ModelConfig, dtype, mode: str, tensor_parallel: TensorParallel | None) -> bool:
+    """Whether a target of ``config`` loads its MXFP4 experts dequantised to ``dtype``: as
+    ``mode`` says, or for "auto" whenever the dequantised params fit ``DEQUANTIZED_SHARE`` of a
+    device's memory (so on a CPU, which reports none): on an H200 the bf16 experts decode faster
+    than the MXFP4 kernel does (``benchmarks/RESULTS.md``), which holds gpt-oss-120b on one GPU.
+    "auto" says on stderr what it chose."""
+    if mode not in MXFP4_EXPERTS:
+        raise ValueError(f"mxfp4_experts must be one of {MXFP4_EXPERTS}, got {mode!r}")
+    if not config.mxfp4_experts or mode != "auto":
+        return config.mxfp4_experts and mode == "dequantize"
+    dense = jax.eval_shape(lambda: init_target_params(config.with_dequantized_experts(), jax.random.key(0), dtype))
+    per_device = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / (
+        1 if tensor_parallel is None else tensor_parallel.size)
+    limit = device_memory()
+    dequantize = limit is None or per_device <= DEQUANTIZED_SHARE * limit
+    room = "" if limit is None else f" of the {limit / 1e9:.0f} GB a device has"
+    print(f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize else 'kept in MXFP4'} "
+          f"(dequantised, the params take {per_device / 1e9:.1f} GB a device{room}; --mxfp4-experts keep|dequantize "
+          "chooses)", file=sys.stderr)
+    return dequantize
+
+
 def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
-                tensor_parallel: TensorParallel | None = None) -> Target:
+                tensor_parallel: TensorParallel | None = None, mxfp4_experts: str = "auto") -> Target:
     """A target of any supported family from an HF folder (safetensors) or a folder made by
     checkpoints_convert.
     ``progress`` shows a tqdm bar on stderr while the weights are read. With ``tensor_parallel``
     each device receives only its slices as the checkpoint streams; a config that cannot be
-    split that way is refused before any weight is read."""
+    split that way is refused before any weight is read. Experts stored in MXFP4 (gpt-oss) are
+    held as ``mxfp4_experts`` says (``MXFP4_EXPERTS``, ``dequantizes_experts``): in MXFP4, or
+    dequantised to ``dtype`` (3.8x their memory)."""
     path, dtype = Path(path), _dtype(dtype)
     config = load_target_config(path)
+    dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tensor_parallel)
+    if dequantize_experts and checkpoint.is_converted(path):
+        # a converted folder holds the experts as stored: dequantised on the device once restored
+        stored = load_target(path, dtype, progress=progress, tensor_parallel=tensor_parallel, mxfp4_experts="keep")
+        config = config.with_dequantized_experts()
+        dense = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
+        layout = None if tensor_parallel is None else sharding.target_layout(
+            dense, config, tensor_parallel.expert_parallel)
+        params = _dequantized_experts(stored.params, dtype, layout, tensor_parallel)
+        return Target(config, params, path, tensor_parallel)
+    if dequantize_experts:
+        config = config.with_dequantized_experts()
     layout = None
     if tensor_parallel is not None:
         experts_whole = tensor_parallel.expert_parallel
@@ -87,7 +152,8 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
         params = _restore_converted(path, "target", init, progress, layout, tensor_parallel)
         return Target(config, params, path, tensor_parallel)
     place = None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel)
-    config, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place)
+    config, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place,
+                                               dequantize_experts=dequantize_experts)
     return Target(config, params, path, tensor_parallel)
 
 

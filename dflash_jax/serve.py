@@ -21,7 +21,7 @@ from dflash_jax.cli import (COMPILE_CACHE_HELP, DefaultsHelpFormatter, at_least,
                             one_line_warnings, positive_float)
 from dflash_jax.config import load_draft_config, load_target_config
 from dflash_jax.engine import Engine
-from dflash_jax.models import DTYPES, load_draft, load_target
+from dflash_jax.models import DTYPES, MXFP4_EXPERTS, load_draft, load_target
 from dflash_jax.sharding import TensorParallel, make_mesh
 from dflash_jax.tokenizer import Tokenizer
 
@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicate-draft", action="store_true", help="with --tp: the whole draft on every device")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: a MoE target's experts dealt out whole instead of split by width")
+    p.add_argument("--mxfp4-experts", choices=MXFP4_EXPERTS, default="auto",
+                   help="how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
+                        "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster decode on "
+                        "an H200), auto (dequantize when that fits 60%% of a device's memory)")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of requests that give none")
     p.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                    help="seconds running requests get to finish after SIGTERM")
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                          expert_parallel=args.expert_parallel) if args.tp > 1 else None
         keep_compiled_programs(args.compile_cache)
-        target = load_target(args.target, args.dtype, progress=True, tensor_parallel=tensor_parallel)
+        target = load_target(args.target, args.dtype, progress=True, tensor_parallel=tensor_parallel,
+                             mxfp4_experts=args.mxfp4_experts)
         draft = load_draft(args.draft, target, args.dtype, progress=True) if args.draft else None
         engine = Engine(target, draft, tokenizer, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,

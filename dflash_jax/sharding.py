@@ -37,6 +37,7 @@ from dflash_jax.nn.attention import AttentionParams, AttentionSpec
 from dflash_jax.nn.gated_deltanet import GatedDeltaNetParams, GatedDeltaNetSpec
 from dflash_jax.nn.mlp import MLPParams, MLPSpec
 from dflash_jax.nn.moe import MoEParams, MoESpec
+from pallas_kernels import Mxfp4Weight
 
 TP_AXIS = "tp"
 
@@ -125,6 +126,10 @@ def local_config(config: ModelConfig, tp: int, what: str = "the target", *,
     for spec in config.layers:
         fields.update({name: value for name, value in _split_fields(spec, expert_parallel).items() if value % tp})
     problems = [f"{name} {value} is not divisible by {tp}" for name, value in fields.items() if value % tp]
+    mxfp4_widths = {layer.ffn.intermediate_size for layer in config.layers if getattr(layer.ffn, "mxfp4", False)}
+    problems += [f"MXFP4 experts split by width need intermediate_size / tp to be a multiple of 32 (whole scale "
+                 f"groups), got {width} / {tp}: take --expert-parallel or --mxfp4-experts dequantize"
+                 for width in sorted(mxfp4_widths) if not expert_parallel and (width // tp) % 32]
     if problems:
         raise ValueError(f"{what} cannot be split over tp {tp}: {'; '.join(problems)}")
     return dataclasses.replace(config, layers=tuple(_local_layer(spec, tp, expert_parallel) for spec in config.layers),
@@ -197,6 +202,8 @@ def _ffn_layout(params, spec, expert_parallel: bool) -> Any:
     else:  # the output bias whole on every shard: one shard adds it (``moe.forward``)
         gate_up, down = LeafLayout(P(None, None, TP_AXIS), (width, width)), LeafLayout(P(None, TP_AXIS, None))
         gate_up_bias, down_bias = LeafLayout(P(None, TP_AXIS), (width, width)), REPLICATED
+    if spec.mxfp4:  # codes and scales split as the weight: [E, K/2 | K/32, N] beside its [E, K, N]
+        gate_up, down = Mxfp4Weight(gate_up, gate_up), Mxfp4Weight(down, down)
     return MoEParams(router=REPLICATED, gate_up_proj=gate_up, down_proj=down, shared=shared,
                      shared_gate=_present(params.shared_gate, REPLICATED),
                      router_bias=_present(params.router_bias, REPLICATED),

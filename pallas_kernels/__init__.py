@@ -13,7 +13,7 @@ from pallas_kernels.norm_rope import (apply_rope, norm_rope_reference, norm_rope
                                       split_qkv)
 from pallas_kernels.split_merge import combine_splits, combine_splits_reference
 from pallas_kernels.fused_matmul import finish_projection, fused_matmul, fused_matmul_reference
-from pallas_kernels.routed_experts import routed_experts, routed_experts_reference
+from pallas_kernels.routed_experts import Mxfp4Weight, dequantize_mxfp4, routed_experts, routed_experts_reference
 from pallas_kernels.verify_attention import paged_verify_attention, paged_verify_attention_reference
 from pallas_kernels.draft_attention import paged_draft_attention, paged_draft_attention_reference
 from pallas_kernels.gated_delta import (chunked_gated_delta_rule_reference, gated_delta_rule,
@@ -39,6 +39,8 @@ __all__ = [
     "fused_matmul_reference",
     "routed_experts",
     "routed_experts_reference",
+    "Mxfp4Weight",
+    "dequantize_mxfp4",
     "paged_verify_attention",
     "paged_verify_attention_reference",
     "paged_draft_attention",

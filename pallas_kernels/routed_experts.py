@@ -17,9 +17,14 @@ tiles of one row each: the weights are read once, as a matrix-vector product mus
 
 An expert id of -1 marks a pair this call does not run (under expert parallelism, a pair routed
 to an expert another device holds): it adds 0, takes no row of any tile and reads nothing.
+
+Either weight may be an ``Mxfp4Weight`` (gpt-oss's released format, 4.25 bits a weight): the
+kernels stream its packed codes and scales, a quarter of bf16's bytes, and decode each tile in
+registers; the reference dequantises it first (``dequantize_mxfp4``).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,50 @@ from pallas_kernels.tuning import check_launch, gpu_limits, is_power_of_2, next_
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TUNING_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 COUNTING_LIMIT = 1 << 20  # pairs x experts whose running counts (4 MB of int32) expert_tiles keeps
+
+
+class Mxfp4Weight(NamedTuple):
+    """An expert weight [E, K, N] in MXFP4: blocks [E, K/2, N] u8, byte (k // 2, n) holding the
+    FP4 E2M1 codes of k even (low nibble) and k odd (high nibble); scales [E, K/32, N] u8, the
+    E8M0 scale 2^(s - 127) of each 32 values of k. K is a multiple of 32. gpt-oss's checkpoint
+    tensors ``*_blocks`` [E, N, K/32, 16] and ``*_scales`` [E, N, K/32] become
+    ``Mxfp4Weight(blocks.reshape(E, N, K // 2).transpose(0, 2, 1), scales.transpose(0, 2, 1))``."""
+
+    blocks: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [E, K, N]."""
+        *lead, half, n = self.blocks.shape
+        return (*lead, 2 * half, n)
+
+
+def _e2m1(codes: jax.Array) -> jax.Array:
+    """The float32 values of FP4 E2M1 codes (int32 in [0, 16)): sign, 2 exponent bits, 1 mantissa
+    bit; 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (-0 for code 8)."""
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    quarters = jnp.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 x the magnitude
+    magnitude = quarters.astype(jnp.float32) * 0.25
+    return jnp.where(codes >= 8, -magnitude, magnitude)
+
+
+def _e8m0(scales: jax.Array) -> jax.Array:
+    """2^(s - 127) in float32 for E8M0 scales s in [1, 254], built as the float's exponent bits;
+    s = 0 gives 0 (not 2^-127, below float32's normal range) and s = 255 (NaN in the MX spec) inf."""
+    return lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
+
+
+def dequantize_mxfp4(w: Mxfp4Weight, dtype) -> jax.Array:
+    """The [E, K, N] values of an MXFP4 weight in ``dtype``: code x scale, computed in float32 and
+    exact in float32 and bfloat16 (dflash_jax.mxfp4.dequantize's values bit for bit) for scales in
+    [2, 254]; s = 0 gives zeros and s = 255 infinities/NaNs (see ``_e8m0``), and float16 overflows
+    or rounds beyond its narrower range."""
+    num_experts, k, n = w.shape
+    packed = w.blocks.astype(jnp.int32)
+    codes = jnp.stack([packed & 15, packed >> 4], axis=2).reshape(num_experts, k, n)  # k = 2 (k // 2) + nibble
+    scales = jnp.repeat(_e8m0(w.scales), 32, axis=1)
+    return (_e2m1(codes) * scales).astype(dtype)
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -54,18 +103,20 @@ def swiglu(gate: jax.Array, up: jax.Array, swiglu_limit: float | None, swiglu_al
     return (up + 1) * (gate / (1 + jnp.exp(-swiglu_alpha * gate)))
 
 
-def routed_experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                             down: jax.Array, gate_up_bias: jax.Array | None = None,
-                             down_bias: jax.Array | None = None, *, swiglu_limit: float | None = None,
-                             swiglu_alpha: float = 1.702) -> jax.Array:
+def routed_experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array,
+                             gate_up: jax.Array | Mxfp4Weight, down: jax.Array | Mxfp4Weight,
+                             gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None, *,
+                             swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> jax.Array:
     """sum_j weights[n, j] * down_e(swiglu(gate_e(x_n), up_e(x_n))) for e = experts[n, j].
 
     x [N, H]; experts [N, k] int32 in [0, E), or -1 for a pair that adds nothing; weights
-    [N, k]; gate_up [E, H, 2I] (gate | up); down [E, I, H]; biases gate_up_bias [E, 2I] and
-    down_bias [E, H] or None (added to each projection, before the routing weight). Products are
-    rounded to x's dtype (as torch's Linear), the weighted sum is accumulated in f32 and returned
-    [N, H] in x's dtype.
+    [N, k]; gate_up [E, H, 2I] (gate | up); down [E, I, H], either in x's dtype or an
+    ``Mxfp4Weight`` (dequantised to x's dtype); biases gate_up_bias [E, 2I] and down_bias [E, H]
+    or None (added to each projection, before the routing weight). Products are rounded to x's
+    dtype (as torch's Linear), the weighted sum is accumulated in f32 and returned [N, H] in x's
+    dtype.
     """
+    gate_up, down = (dequantize_mxfp4(w, x.dtype) if isinstance(w, Mxfp4Weight) else w for w in (gate_up, down))
     weights = jnp.where(experts >= 0, weights, jnp.zeros((), weights.dtype))
     experts = jnp.maximum(experts, 0)
     num_experts = gate_up.shape[0]
@@ -123,10 +174,34 @@ def _tile_pairs(rows_ref, tile, block_m: int):
     return pair, pair >= 0
 
 
+def _products(x, w_ref, e, k0, n0s, block_n: int, dot) -> list[jax.Array]:
+    """One reduction step: x @ w[e, k0:k0 + block_k, n0:n0 + block_n] for each n0 of n0s, f32, where
+    x [rows, block_k] holds the input's columns k0:k0 + block_k (k0 a multiple of block_k). A dense w
+    streams its tiles; an MXFP4 one its packed bytes and scales, decoded here (in f32, then x's
+    dtype: exact in bf16 and f32): x's even columns times the low nibbles plus its odd columns
+    times the high ones (x split in registers, as Triton unpacks int4)."""
+    block_k = x.shape[1]
+    if not isinstance(w_ref, Mxfp4Weight):
+        tiles = [plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]) for n0 in n0s]
+        return [dot(x, w) for w in tiles]
+    half, groups = block_k // 2, block_k // 32
+    x_even, x_odd = lax.unstack(x.reshape(x.shape[0], half, 2), axis=2)
+    products = []
+    for n0 in n0s:
+        packed = plgpu.load(w_ref.blocks.at[e, pl.ds(pl.multiple_of(lax.div(k0, 2), half), half),
+                                            pl.ds(n0, block_n)]).astype(jnp.int32)
+        scale = _e8m0(plgpu.load(w_ref.scales.at[e, pl.ds(lax.div(k0, 32), groups), pl.ds(n0, block_n)]))
+        # row j of the half tiles holds k = k0 + 2j (+ 1): scale group j // 16
+        scale = jnp.broadcast_to(scale[:, None, :], (groups, 16, block_n)).reshape(half, block_n)
+        low, high = ((_e2m1(codes) * scale).astype(x.dtype) for codes in (packed & 15, packed >> 4))
+        products.append(dot(x_even, low) + dot(x_odd, high))
+    return products
+
+
 def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, block_m: int, block_n: int,
                     block_k: int, swiglu_limit: float | None, swiglu_alpha: float):
     """Program (tile, column block): swiglu(x W_gate [+ b_gate], x W_up [+ b_up]) of the tile's
-    rows, [block_m, block_n]; refs: (bias [E, 2I],) h."""
+    rows, [block_m, block_n]; w_ref dense or an Mxfp4Weight of refs; refs: (bias [E, 2I],) h."""
     *bias_ref, h_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[tile]
@@ -143,9 +218,8 @@ def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, 
     def body(step, accs):
         k0 = pl.multiple_of(step * block_k, block_k)
         x = plgpu.load(x_ref.at[token[:, None], k0 + k_iota], mask=x_mask, other=0)
-        gate = plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)])
-        up = plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(width + n0, block_n)])
-        return accs[0] + dot(x, gate), accs[1] + dot(x, up)
+        gate, up = _products(x, w_ref, e, k0, (n0, width + n0), block_n, dot)
+        return accs[0] + gate, accs[1] + up
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     # a tile with no rows streams nothing (a product, not a select: Triton wants an i32 bound)
@@ -162,7 +236,8 @@ def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, 
 def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, block_m: int, block_n: int,
                  block_k: int):
     """Program (tile, column block): routing weight x (h W_down [+ b_down]) of the tile's rows,
-    f32, stored at each row's pair (out [N * k, H]); refs: (bias [E, H],) out."""
+    f32, stored at each row's pair (out [N * k, H]); w_ref dense or an Mxfp4Weight of refs;
+    refs: (bias [E, H],) out."""
     *bias_ref, out_ref = refs
     tile, col = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[tile]
@@ -178,7 +253,7 @@ def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, bl
     def body(step, acc):
         k0 = pl.multiple_of(step * block_k, block_k)
         h = plgpu.load(h_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=h_mask, other=0)
-        return acc + dot(h, plgpu.load(w_ref.at[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]))
+        return acc + _products(h, w_ref, e, k0, (n0,), block_n, dot)[0]
 
     steps = (width // block_k) * (expert >= 0).astype(jnp.int32)
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -196,8 +271,25 @@ def _largest_divisor(n: int, choices: tuple[int, ...]) -> int:
     return next((c for c in choices if n % c == 0), choices[-1])
 
 
+def _check_mxfp4(name: str, w: Mxfp4Weight) -> None:
+    """An MXFP4 weight's own layout: u8 blocks [E, K/2, N] and scales [E, K/32, N], K a multiple of 32."""
+    if w.blocks.dtype != jnp.uint8 or w.scales.dtype != jnp.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {w.blocks.dtype} and {w.scales.dtype}")
+    if len(w.blocks.shape) != 3 or w.blocks.shape[1] % 16:
+        raise ValueError(f"{name}: MXFP4 blocks must be [E, K/2, N] with K a multiple of 32, got "
+                         f"{list(w.blocks.shape)}")
+    num_experts, half, n = w.blocks.shape
+    if w.scales.shape != (num_experts, half // 16, n):
+        raise ValueError(f"{name}: MXFP4 scales must be [E, K/32, N] = {[num_experts, half // 16, n]} for blocks "
+                         f"{list(w.blocks.shape)}, got {list(w.scales.shape)}")
+
+
 def check_routed_experts_args(x, experts, weights, gate_up, down) -> None:
-    if x.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
+    mxfp4 = [isinstance(w, Mxfp4Weight) for w in (gate_up, down)]
+    for name, w, quantized in zip(("gate_up", "down"), (gate_up, down), mxfp4):
+        if quantized:
+            _check_mxfp4(name, w)
+    if x.ndim != 2 or len(gate_up.shape) != 3 or len(down.shape) != 3:
         raise ValueError(f"x must be [N, H], gate_up [E, H, 2I] and down [E, I, H]; got {x.shape}, "
                          f"{gate_up.shape}, {down.shape}")
     num_experts, hidden, width = gate_up.shape[0], x.shape[1], down.shape[1]
@@ -209,9 +301,10 @@ def check_routed_experts_args(x, experts, weights, gate_up, down) -> None:
                          f"{weights.shape}")
     if not jnp.issubdtype(experts.dtype, jnp.integer):
         raise ValueError(f"experts must be integer expert ids, got {experts.dtype}")
-    if x.dtype not in _SUPPORTED_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"x, gate_up and down must share a float32/bfloat16/float16 dtype, got {x.dtype}, "
-                         f"{gate_up.dtype}, {down.dtype}")
+    dtypes = [None if quantized else w.dtype for w, quantized in zip((gate_up, down), mxfp4)]
+    if x.dtype not in _SUPPORTED_DTYPES or any(d not in (None, x.dtype) for d in dtypes):
+        raise ValueError(f"x, gate_up and down must share a float32/bfloat16/float16 dtype (a weight may be an "
+                         f"Mxfp4Weight instead), got {x.dtype}, {dtypes[0] or 'mxfp4'}, {dtypes[1] or 'mxfp4'}")
     if hidden % 16 or width % 16:
         raise ValueError(f"the hidden size ({hidden}) and the expert width ({width}) must be multiples of 16")
     if x.shape[0] == 0 or experts.shape[1] == 0:
@@ -227,16 +320,18 @@ def tile_rows(pairs: int, num_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret", *TUNING_ARGS))
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
-                   gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None, *,
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array | Mxfp4Weight,
+                   down: jax.Array | Mxfp4Weight, gate_up_bias: jax.Array | None = None,
+                   down_bias: jax.Array | None = None, *,
                    swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
     """Pallas version of ``routed_experts_reference`` (same arguments; the result within the
     rounding of its products, which the kernel keeps in f32 and rounds once): reads only the
     routed experts' weights. ``block_m`` rows per tile (default ``tile_rows``), ``block_n``
     output columns and ``block_k`` reduced dims per step (default: the largest of 64, 32, 16 and
-    of 128, 64, 32, 16 that divide them), ``num_stages`` software-pipelined steps (default: up to
-    3, as many as shared memory holds)."""
+    of 128, 64, 32, 16 that divide them; a multiple of 32 for an MXFP4 weight, whose steps
+    reduce whole scale groups), ``num_stages`` software-pipelined steps (default: up to 3, as many
+    as shared memory holds)."""
     check_routed_experts_args(x, experts, weights, gate_up, down)
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (gate_up.shape[0], gate_up.shape[2])),
                               ("down_bias", down_bias, (down.shape[0], down.shape[2]))):
@@ -250,13 +345,17 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     (n, top_k), (num_experts, hidden, _), width = experts.shape, gate_up.shape, down.shape[1]
     rows, tile_expert = expert_tiles(experts.astype(jnp.int32), num_experts, block_m)
     num_tiles = tile_expert.shape[0]
-    def call(kernel, operands, out_rows, out_cols, reduce, out_dtype, name, weight_tiles):
+    def call(kernel, operands, out_rows, out_cols, reduce, out_dtype, name, weight, weight_tiles):
+        mxfp4 = isinstance(weight, Mxfp4Weight)
         bn = block_n or _largest_divisor(out_cols, (64, 32, 16))
         bk = block_k or _largest_divisor(reduce, (128, 64, 32, 16))
-        for what, value, size in (("block_n", bn, out_cols), ("block_k", bk, reduce)):
-            if not (is_power_of_2(value) and value >= 16) or size % value:
-                raise ValueError(f"{name}: {what} must be a power of two >= 16 that divides {size}, got {value}")
-        stage_bytes = (block_m + weight_tiles * bn) * bk * x.dtype.itemsize
+        for what, value, size, least in (("block_n", bn, out_cols, 16), ("block_k", bk, reduce, 32 if mxfp4 else 16)):
+            if not (is_power_of_2(value) and value >= least) or size % value:
+                raise ValueError(f"{name}: {what} must be a power of two >= {least} that divides {size}"
+                                 f"{' (whole MXFP4 scale groups)' if least == 32 else ''}, got {value}")
+        # an MXFP4 weight tile streams bk/2 bytes of codes and bk/32 of scales per column
+        weight_bytes = (bk // 2 + bk // 32) * bn if mxfp4 else bk * bn * x.dtype.itemsize
+        stage_bytes = block_m * bk * x.dtype.itemsize + weight_tiles * weight_bytes
         budget = gpu_limits().smem_budget
         stages = max(1, min(3, budget // stage_bytes)) if num_stages is None else num_stages
         if stages * stage_bytes > budget:
@@ -267,7 +366,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
         return pl.pallas_call(
             functools.partial(kernel, block_m=block_m, block_n=bn, block_k=bk),
             grid=(num_tiles, out_cols // bn),
-            in_specs=[whole(a) for a in operands],
+            in_specs=[jax.tree.map(whole, a) for a in operands],  # an Mxfp4Weight: one spec per array
             out_specs=pl.BlockSpec((out_rows, out_cols), lambda t, c: (0, 0)),
             out_shape=jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype),
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=stages), interpret=interpret,
@@ -277,10 +376,10 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     gate_up_kernel = functools.partial(_gate_up_kernel, top_k=top_k, swiglu_limit=swiglu_limit,
                                        swiglu_alpha=swiglu_alpha)
     h = call(gate_up_kernel, (rows, tile_expert, x, gate_up) + (() if gate_up_bias is None else (gate_up_bias,)),
-             num_tiles * block_m, width, hidden, x.dtype, "routed_experts_gate_up", 2)
+             num_tiles * block_m, width, hidden, x.dtype, "routed_experts_gate_up", gate_up, 2)
     out = call(_down_kernel, (rows, tile_expert, weights.reshape(-1), h, down)
                + (() if down_bias is None else (down_bias,)), n * top_k, hidden, width, jnp.float32,
-               "routed_experts_down", 1)
+               "routed_experts_down", down, 1)
     # a pair of expert -1 has no row: its output row was never written
     out = jnp.where((experts >= 0)[..., None], out.reshape(n, top_k, hidden), 0.0)
     return out.sum(axis=1).astype(x.dtype)

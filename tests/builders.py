@@ -211,6 +211,38 @@ def save_target(model, path, *, rope_style: str = "parameters", drop_head_dim: b
     return path
 
 
+def save_mxfp4_gpt_oss(model, path, seed: int) -> Path:
+    """A released-style gpt-oss folder: every layer's experts given random MXFP4 codes (set in
+    ``model`` as transformers dequantises them, so that ``model`` is the folder's model), stored
+    as ``*_blocks`` / ``*_scales`` with quantization_config mxfp4 as gpt-oss publishes it."""
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file as save_numpy
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from dflash_jax.families.gpt_oss import MXFP4_QUANTIZATION
+
+    rng, packed = np.random.default_rng(seed), {}
+    for index, layer in enumerate(model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(layer.mlp.experts, name)            # [E, in, out]
+            e, inputs, outputs = weight.shape
+            blocks = rng.integers(0, 256, (e, outputs, inputs // 32, 16), dtype=np.uint8)
+            scales = rng.integers(121, 125, (e, outputs, inputs // 32), dtype=np.uint8)
+            with torch.no_grad():
+                weight.copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                        dtype=torch.float32))
+            packed[f"model.layers.{index}.mlp.experts.{name}"] = (blocks, scales)
+    path = Path(path)
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_numpy(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    edit_config(path, lambda raw: raw.update(quantization_config=MXFP4_QUANTIZATION))
+    return path
+
+
 def make_zlab_draft(target, *, layers: int = 2, block_size: int = 16, mask_token_id: int | None = None,
                     target_layer_ids=(1, 2), heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
                     rope_theta: float = 10_000.0, layer_types=None, sliding_window: int | None = None,

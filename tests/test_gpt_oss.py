@@ -8,14 +8,16 @@ prompts run past twice the window so the sliding layers differ from the full one
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from builders import fill_random, make_zlab_draft, save_draft, train_briefly
+from builders import fill_random, make_zlab_draft, save_draft, save_mxfp4_gpt_oss, train_briefly
 from checkpoints_convert import export_target
 from dflash_jax.config import ConfigError, ModelConfig
+from dflash_jax import models
 from dflash_jax.generate import generate
 from dflash_jax.models import load_draft, load_target
 
@@ -221,56 +223,82 @@ def test_mxfp4_dequantization_is_bit_exact_against_transformers():
                                                                     else jnp.bfloat16))
 
 
-def _quantize_experts(hf, rng):
-    """Random MXFP4 codes for every layer's experts, set (dequantised by transformers) as the
-    model's weights; returns the blocks and scales per tensor name."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    packed = {}
-    for index, layer in enumerate(hf.model.layers):
-        experts = layer.mlp.experts
-        for name in ("gate_up_proj", "down_proj"):
-            weight = getattr(experts, name)            # [E, in, out]
-            e, inputs, outputs = weight.shape
-            blocks = rng.integers(0, 256, (e, outputs, inputs // 32, 16), dtype=np.uint8)
-            scales = rng.integers(121, 125, (e, outputs, inputs // 32), dtype=np.uint8)
-            with torch.no_grad():
-                weight.copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
-                                                        dtype=torch.float32))
-            packed[f"model.layers.{index}.mlp.experts.{name}"] = (blocks, scales)
-    return packed
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory):
+    """(transformers' model of a released-style MXFP4 folder, the folder) with kernel-ready sizes."""
+    hf = make_gpt_oss(seed=6, hidden_size=64, intermediate_size=32, head_dim=16)
+    return hf, save_mxfp4_gpt_oss(hf, tmp_path_factory.mktemp("mxfp4") / "hf", seed=6)
 
 
-def test_an_mxfp4_checkpoint_loads_dequantised_with_transformers_logits(tmp_path):
+def test_an_mxfp4_checkpoint_keeps_its_experts_in_mxfp4_with_transformers_logits(mxfp4_gpt_oss, monkeypatch,
+                                                                                 capsys):
     """A released-style folder (experts as *_blocks / *_scales, quantization_config mxfp4) loads
-    with the logits of the model whose experts are transformers' dequantisation of the same codes,
-    and transformers' own MXFP4 loader (dequantize=True) reads the folder the same."""
-    import json
-
-    from safetensors.numpy import load_file, save_file
+    with its experts still MXFP4 (the stored bytes, in the kernel's layout), with the logits of the
+    model whose experts are transformers' dequantisation of the same codes; dequantised at load
+    instead, the logits are the same bits; transformers' own MXFP4 loader (dequantize=True) reads
+    the folder the same."""
+    from safetensors.numpy import load_file
     from transformers import GptOssForCausalLM, Mxfp4Config
 
-    hf = make_gpt_oss(seed=6, hidden_size=64, intermediate_size=32)
-    packed = _quantize_experts(hf, np.random.default_rng(6))
-    folder = tmp_path / "mxfp4"
-    hf.save_pretrained(folder)
-    tensors = load_file(folder / "model.safetensors")
-    for name, (blocks, scales) in packed.items():
-        del tensors[name]
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (folder / "config.json").write_text(json.dumps(config))
+    from pallas_kernels import Mxfp4Weight
 
-    target = load_target(folder, "float32")
+    hf, folder = mxfp4_gpt_oss
+    target = load_target(folder, "float32", mxfp4_experts="keep")
+    experts = target.params.layers[1].ffn
+    assert isinstance(experts.gate_up_proj, Mxfp4Weight) and experts.gate_up_proj.blocks.dtype == jnp.uint8
+    stored = load_file(folder / "model.safetensors")["model.layers.1.mlp.experts.down_proj_blocks"]
+    e, outputs, groups, _ = stored.shape
+    np.testing.assert_array_equal(np.asarray(experts.down_proj.blocks),
+                                  stored.reshape(e, outputs, groups * 16).transpose(0, 2, 1))
     tokens = np.random.default_rng(2).integers(0, 63, 12).tolist()
     expected = _hf_logits(hf, tokens)
-    np.testing.assert_allclose(_forward_in_pieces(target, tokens, (12,)), expected, rtol=1e-4, atol=1e-4)
+    ours = _forward_in_pieces(target, tokens, (12,))
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+    dequantized = load_target(folder, "float32", mxfp4_experts="dequantize")
+    assert not dequantized.config.mxfp4_experts and dequantized.params.layers[1].ffn.down_proj.dtype == jnp.float32
+    np.testing.assert_array_equal(_forward_in_pieces(dequantized, tokens, (12,)), ours)
+    # auto: dequantised where that fits 60% of a device's memory (a CPU reports none), else kept
+    assert not load_target(folder, "float32").config.mxfp4_experts
+    monkeypatch.setattr(models, "device_memory", lambda: 10**5)
+    assert load_target(folder, "float32").config.mxfp4_experts
+    assert "MXFP4 experts: kept in MXFP4 (dequantised, the params take 0.0 GB a device of the 0 GB" in \
+        capsys.readouterr().err
     reloaded = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
     np.testing.assert_array_equal(_hf_logits(reloaded, tokens), expected)
+
+
+def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gpt_oss, tmp_path):
+    """An MXFP4 target converted keeps its codes (and dequantises on the device when asked);
+    exported it writes the same *_blocks / *_scales bytes; DFlash on it is lossless, and the
+    experts' kernel (interpreted) decoding MXFP4 gives the reference's tokens."""
+    from safetensors.numpy import load_file
+
+    from checkpoints_convert import convert
+
+    hf, folder = mxfp4_gpt_oss
+    target = load_target(folder, "float32", mxfp4_experts="keep")
+    converted = convert(folder, tmp_path / "converted", dtype="float32", progress=False)
+    from_converted = load_target(converted, "float32", mxfp4_experts="keep")
+    assert from_converted.config == target.config
+    for ours, theirs in zip(jax.tree.leaves(from_converted.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    dense = load_target(folder, "float32", mxfp4_experts="dequantize")
+    for ours, theirs in zip(jax.tree.leaves(load_target(converted, "float32", mxfp4_experts="dequantize").params),
+                            jax.tree.leaves(dense.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    exported = export_target(target.config, target.params, tmp_path / "exported")
+    written, source = load_file(exported / "model.safetensors"), load_file(folder / "model.safetensors")
+    for name in (n for n in source if n.endswith(("_blocks", "_scales"))):
+        np.testing.assert_array_equal(written[name], source[name])
+    assert load_target(exported, "float32", mxfp4_experts="keep").config == target.config
+
+    draft = load_draft(save_draft(make_zlab_draft(hf, block_size=4, target_layer_ids=(0, 2), head_dim=16, seed=7,
+                                                  std=0.3), tmp_path / "draft"), target, "float32")
+    prompts = [np.random.default_rng(5).integers(0, 63, 10).tolist()]
+    plain = generate(dense, prompts, max_new_tokens=8, impl="reference")
+    assert generate(target, prompts, draft=draft, max_new_tokens=8, impl="reference").tokens == plain.tokens
+    assert generate(target, prompts, draft=draft, max_new_tokens=8, impl="interpret").tokens == plain.tokens
 
 
 def test_half_an_mxfp4_pair_is_named(tmp_path):

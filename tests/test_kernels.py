@@ -557,6 +557,97 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
     np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
 
 
+# MXFP4 expert weights (gpt-oss): (dtype, tokens, top_k, experts, hidden, expert width, block_m,
+# routing, which weights are MXFP4, variant, tuning); the variant adds gpt-oss's biases and
+# clamped SwiGLU, or marks about half the pairs -1. Hidden 96 and expert width 32 take one scale
+# group per step, the others two or four (or one, by block_k).
+MXFP4_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random", "both", "plain", {}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {}),
+               ("f32", 17, 2, 4, 64, 32, 16, "one-expert", "gate_up", "plain", {}),
+               ("bf16", 33, 4, 8, 128, 64, 32, "skewed", "both", "skip", {"block_k": 32}),
+               ("f32", 16, 8, 16, 96, 64, 64, "random", "down", "gpt-oss", {}),
+               ("bf16", 5, 3, 6, 96, 32, 16, "random", "both", "skip", {}),
+               ("f32", 40, 4, 8, 128, 64, 16, "skewed", "both", "gpt-oss", {"block_n": 32, "block_k": 64}),
+               ("bf16", 17, 2, 4, 64, 32, 16, "one-expert", "down", "plain", {})]
+
+
+def _mxfp4(rng, num_experts: int, k: int, n: int) -> pk.Mxfp4Weight:
+    """A random MXFP4 weight [E, K, N]: any codes, scales 2^-9 .. 2^-1 (values within +-3)."""
+    return pk.Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (num_experts, k // 2, n), dtype=np.uint8)),
+                          jnp.asarray(rng.integers(118, 127, (num_experts, k // 32, n), dtype=np.uint8)))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_dequantize_mxfp4_matches_the_checkpoint_decoder(dtype):
+    """The checkpoint's [E, N, K/32, 16] / [E, N, K/32] bytes, laid out as the kernels read them,
+    decode to dflash_jax.mxfp4's values bit for bit over every code and every scale in [2, 254]
+    (up to 6 * 2^127, which overflows to inf in both)."""
+    from dflash_jax import mxfp4
+    rng = _rng("mxfp4-dequantize", dtype)
+    num_experts, n, k = 3, 40, 256
+    blocks = rng.integers(0, 256, (num_experts, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(2, 255, (num_experts, n, k // 32), dtype=np.uint8)
+    scales[0, 0, :2] = 2, 254
+    with np.errstate(over="ignore"):
+        expected = jnp.asarray(mxfp4.dequantize_pair(blocks, scales), DTYPES[dtype])
+    w = pk.Mxfp4Weight(jnp.asarray(blocks.reshape(num_experts, n, k // 2).transpose(0, 2, 1)),
+                       jnp.asarray(scales.transpose(0, 2, 1)))
+    assert w.shape == (num_experts, k, n)
+    out = jax.jit(pk.dequantize_mxfp4, static_argnums=1)(w, DTYPES[dtype])
+    assert out.dtype == DTYPES[dtype] and out.shape == expected.shape
+    bits = {"f32": np.uint32, "bf16": np.uint16}[dtype]
+    np.testing.assert_array_equal(np.asarray(out).view(bits), np.asarray(expected).view(bits))
+    assert np.isinf(np.asarray(out, np.float32)).any() and (np.asarray(out, np.float32) == 0).any()
+
+
+@pytest.mark.parametrize("case", MXFP4_CASES, ids=lambda c: "-".join(map(str, c[:10])))
+def test_routed_experts_mxfp4(case, interpret, check):
+    """MXFP4 weights decoded in the kernels' weight loads: the kernel equals the reference, which
+    dequantises them first; pairs of expert -1 add nothing, and a call of only such pairs gives 0."""
+    dtype, tokens, top_k, num_experts, hidden, width, block_m, routing, which, variant, tuning = case
+    dtype = DTYPES[dtype]
+    rng = _rng("experts-mxfp4", case[:10])
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    experts = _routing(rng, tokens, top_k, num_experts, routing)
+    if variant == "skip":
+        experts = np.where(rng.random(experts.shape) < 0.5, -1, experts)
+    experts = jnp.asarray(experts, jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), dtype)
+    gate_up, down = _mxfp4(rng, num_experts, hidden, 2 * width), _mxfp4(rng, num_experts, width, hidden)
+    if which == "down":
+        gate_up = pk.dequantize_mxfp4(gate_up, dtype)
+    if which == "gate_up":
+        down = pk.dequantize_mxfp4(down, dtype)
+    args, kw = (x, experts, weights, gate_up, down), {}
+    if variant == "gpt-oss":
+        args += (jnp.asarray(rng.normal(0, 2, (num_experts, 2 * width)), dtype),
+                 jnp.asarray(rng.normal(0, 1, (num_experts, hidden)), dtype))
+        kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
+    out = pk.routed_experts(*args, interpret=interpret, block_m=block_m, **tuning, **kw)
+    check(out, _reference(pk.routed_experts_reference, *args, **kw), dtype)
+    if variant == "skip":
+        none = pk.routed_experts(x, jnp.full_like(experts, -1), *args[2:], interpret=interpret, block_m=block_m,
+                                 **tuning)
+        np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
+
+
+def test_mxfp4_reference_tells_the_nibbles_and_the_scales_apart():
+    """The MXFP4 checks can fail: with the nibbles of each byte swapped, or the scales of every other
+    group doubled, the reference's output moves far beyond the tests' tolerance."""
+    rng = _rng("mxfp4-mutations")
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    experts = jnp.asarray(_routing(rng, 4, 2, 4, "random"), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0, 1, (4, 2)), jnp.float32)
+    gate_up, down = _mxfp4(rng, 4, 64, 64), _mxfp4(rng, 4, 32, 64)
+    odd_groups = jnp.arange(gate_up.scales.shape[1])[None, :, None] % 2 == 1
+    mutants = {"swapped nibbles": gate_up._replace(blocks=(gate_up.blocks >> 4) | (gate_up.blocks << 4)),
+               "scales off by one": gate_up._replace(scales=gate_up.scales + odd_groups.astype(jnp.uint8))}
+    ref = np.asarray(pk.routed_experts_reference(x, experts, weights, gate_up, down), np.float64)
+    for name, mutant in mutants.items():
+        out = np.asarray(pk.routed_experts_reference(x, experts, weights, mutant, down), np.float64)
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) > 0.1, name
+
+
 @pytest.mark.parametrize("counting", [True, False], ids=["counted", "sorted"])
 def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeypatch):
     """Every pair in exactly one row, each expert's pairs in token order in tiles of that expert
@@ -707,6 +798,11 @@ def _write_shapes(batch=2, q_len=16, kv_heads=8, head_dim=128, rotary_dim=None):
     return (kv, kv, table, table, S((batch, q_len), jnp.int32), pages, pages, S((batch, 64), jnp.int32))
 
 
+def _mxfp4_shapes(num_experts: int, k: int, n: int, dtype=jnp.uint8) -> pk.Mxfp4Weight:
+    """An MXFP4 expert weight of logical shape [E, K, N], as shapes."""
+    return pk.Mxfp4Weight(S((num_experts, k // 2, n), dtype), S((num_experts, k // 32, n), dtype))
+
+
 def _without_norms(kernel, **static):
     """``kernel`` with its norm weight(s) None (LLaMA's q and k are not normed)."""
     if kernel is pk.norm_rope_write:
@@ -760,6 +856,17 @@ LOWERINGS = {
     "routed_experts_gpt_oss": (functools.partial(pk.routed_experts, swiglu_limit=7.0),
                                (S((4, 128), BF), S((4, 4), jnp.int32), S((4, 4), BF), S((32, 128, 256), BF),
                                 S((32, 128, 128), BF), S((32, 256), BF), S((32, 128), BF)), {}),
+    # gpt-oss-20b's experts in MXFP4: decode, and verify with only gate|up quantised
+    "routed_experts_mxfp4_decode": (functools.partial(pk.routed_experts, swiglu_limit=7.0),
+                                    (S((1, 2880), BF), S((1, 4), jnp.int32), S((1, 4), BF),
+                                     _mxfp4_shapes(32, 2880, 5760), _mxfp4_shapes(32, 2880, 2880),
+                                     S((32, 5760), BF), S((32, 2880), BF)), {}),
+    "routed_experts_mxfp4_verify": (pk.routed_experts, (S((16, 2880), BF), S((16, 4), jnp.int32), S((16, 4), BF),
+                                                        _mxfp4_shapes(32, 2880, 5760), S((32, 2880, 2880), BF)),
+                                    {"block_m": 32}),
+    "routed_experts_mxfp4_f32": (pk.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
+                                                     S((16, 4), jnp.float32), _mxfp4_shapes(8, 256, 128),
+                                                     _mxfp4_shapes(8, 64, 256)), {"block_k": 32}),
     "combine_splits": (pk.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
@@ -1108,6 +1215,32 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(pk.routed_experts, **kw), *shapes)
 
+
+def test_routed_experts_rejects_bad_mxfp4_weights():
+    """MXFP4 weights of the wrong dtype or layout, or a K tile that splits a scale group: ValueError
+    naming the problem; the shared-memory check counts their packed bytes, not bf16's."""
+    mx = _mxfp4_shapes
+    x, experts, weights = S((4, 64), BF), S((4, 2), jnp.int32), S((4, 2), BF)
+    for gate_up, down, kw, match in [
+            (mx(8, 64, 64, jnp.int8), mx(8, 32, 64), {}, "gate_up: MXFP4 blocks and scales must be uint8, got int8"),
+            (mx(8, 64, 64), pk.Mxfp4Weight(S((8, 16, 64), jnp.uint8), S((8, 2, 64), jnp.uint8)), {},
+             r"down: MXFP4 scales must be \[E, K/32, N\] = \[8, 1, 64\]"),
+            (pk.Mxfp4Weight(S((8, 24, 64), jnp.uint8), S((8, 1, 64), jnp.uint8)), mx(8, 32, 64), {},
+             "gate_up: MXFP4 blocks must be .E, K/2, N. with K a multiple of 32, got .8, 24, 64."),
+            (pk.Mxfp4Weight(S((8, 64), jnp.uint8), S((8, 64), jnp.uint8)), mx(8, 32, 64), {}, "K a multiple of 32"),
+            (mx(8, 128, 64), mx(8, 32, 64), {}, r"must be \[E, H, 2I\] and \[E, I, H\]"),
+            (mx(8, 64, 64), S((8, 32, 64), jnp.float32), {}, "share a float32/bfloat16/float16 dtype .* bfloat16, "
+             "mxfp4, float32"),
+            (mx(8, 64, 64), mx(8, 32, 64), {"block_k": 16}, "routed_experts_gate_up: block_k must be a power of "
+             "two >= 32 that divides 64 .whole MXFP4 scale groups., got 16")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(pk.routed_experts, **kw), x, experts, weights, gate_up, down)
+    # two stages of bf16 gate|up tiles (2 x 256 x 128 x 2 B) overflow Hopper's budget; MXFP4's fit
+    big = (S((4, 256), BF), experts, weights)
+    kw = dict(block_n=128, block_k=256, num_stages=2)
+    with pytest.raises(ValueError, match="routed_experts_gate_up: num_stages=2 stages of 139264 B"):
+        jax.eval_shape(functools.partial(pk.routed_experts, **kw), *big, S((8, 256, 512), BF), S((8, 256, 256), BF))
+    jax.eval_shape(functools.partial(pk.routed_experts, **kw), *big, mx(8, 256, 512), mx(8, 256, 256))
 
 def test_write_pages_drops_page_ids_outside_the_pool():
     """Like the kernels: a page id outside [0, num_pages), negative included, writes nothing."""

@@ -23,15 +23,23 @@ SWIGLU_LIMIT_DEFAULT = 7.0
 SWIGLU_ALPHA_DEFAULT = 1.702
 
 
-def check_runnable(raw: dict, where: str) -> None:
-    """gpt-oss releases its experts in MXFP4 (``quant_method`` "mxfp4"); any other quantization
-    is refused. ``hidden_act`` is not read: the experts' activation is the family's own."""
+# transformers' quantization_config of a released gpt-oss checkpoint: every tensor but the experts' full precision
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def experts_in_mxfp4(raw: dict, where: str) -> bool:
+    """Whether the checkpoint stores its experts in MXFP4, as gpt-oss releases them
+    (``quant_method`` "mxfp4"); any other quantization is refused. ``hidden_act`` is not read:
+    the experts' activation is the family's own."""
     quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        if method != "mxfp4":
-            raise ConfigError(f"{where}: quantization_config quant_method '{method}' is not supported for gpt-oss "
-                              "(only its released mxfp4 experts)")
+    if not quantization:
+        return False
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+    if method != "mxfp4":
+        raise ConfigError(f"{where}: quantization_config quant_method '{method}' is not supported for gpt-oss "
+                          "(only its released mxfp4 experts)")
+    return True
 
 
 def with_defaults(raw: dict) -> dict:
@@ -49,7 +57,7 @@ def with_defaults(raw: dict) -> dict:
 
 
 def parse(raw: dict, where: str) -> ModelConfig:
-    check_runnable(raw, where)
+    mxfp4 = experts_in_mxfp4(raw, where)
     raw = with_defaults(raw)
     layers = hf_decoder.num_layers(raw, where)
     fields = hf_decoder.decoder_fields(raw, where, max_position_default=MAX_POSITION_DEFAULT)
@@ -64,9 +72,12 @@ def parse(raw: dict, where: str) -> ModelConfig:
     moe = MoESpec(num_experts=hf_decoder.num_experts(raw, where), top_k=field(raw, "num_experts_per_tok", where, int, 4),
                   intermediate_size=field(raw, "intermediate_size", where, int), norm_topk_prob=True, bias=True,
                   swiglu_limit=field(raw, "swiglu_limit", where, float, SWIGLU_LIMIT_DEFAULT),
-                  swiglu_alpha=field(raw, "swiglu_alpha", where, float, SWIGLU_ALPHA_DEFAULT))
+                  swiglu_alpha=field(raw, "swiglu_alpha", where, float, SWIGLU_ALPHA_DEFAULT), mxfp4=mxfp4)
     if moe.num_experts < 1:
         raise ConfigError(f"{where}: gpt-oss needs num_local_experts >= 1, got {moe.num_experts}")
+    if mxfp4 and fields["hidden_size"] % 32:
+        raise ConfigError(f"{where}: MXFP4 experts need a hidden_size that is a multiple of 32 (one scale per 32 "
+                          f"inputs), got {fields['hidden_size']}")
     specs = tuple(LayerSpec(dataclasses.replace(attention, sliding_window=w), moe, kind) for kind, w in kinds)
     return ModelConfig(family="gpt_oss", layers=specs, **fields)
 
@@ -80,4 +91,4 @@ def export_fields(config: ModelConfig) -> dict:
     return {**fields, "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "intermediate_size": moe.intermediate_size, "swiglu_limit": moe.swiglu_limit,
             "swiglu_alpha": moe.swiglu_alpha, "layer_types": list(config.layer_types),
-            "sliding_window": config.sliding_window}
+            "sliding_window": config.sliding_window, **({"quantization_config": MXFP4_QUANTIZATION} if moe.mxfp4 else {})}

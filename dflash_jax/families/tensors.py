@@ -25,7 +25,9 @@ class Slot:
     (q/k/v in ``qkv_proj``): (start, stop) ranges that the tensor's rows fill in order (several
     for interleaved layouts: Qwen3.5's per-head q | gate, Qwen3-Next's in_proj_qkvz); ``expert``
     on the leading axis of a stacked leaf (a MoE layer's experts). ``integer`` marks an id map
-    (``d2t``, ``t2d``), stored int32; every other tensor is a float.
+    (``d2t``, ``t2d``), stored int32; ``mxfp4`` ("blocks" or "scales") half of an MXFP4 pair,
+    stored as read (uint8; the blocks' 16 bytes of each 32 values flattened: [E, N, K/2], so that
+    ``transposed`` gives ``Mxfp4Weight``'s [E, K/2, N]); every other tensor is a float.
     """
 
     path: tuple | None
@@ -34,6 +36,7 @@ class Slot:
     columns: tuple[tuple[int, int], ...] | None = None
     expert: int | None = None
     integer: bool = False
+    mxfp4: str | None = None
 
     @property
     def is_part(self) -> bool:
@@ -168,13 +171,19 @@ def _moe_slots(ffn: MoESpec, hidden: int, ft: tuple, prefix: str, names: TensorN
         slots[prefix + names.router.removesuffix("weight") + "bias"] = Slot(ft + ("router_bias",), (e,))
     if names.interleaved_experts:
         x, alternating = prefix + names.stacked_experts, interleaved(i)
-        slots[f"{x}gate_up_proj"] = Slot(ft + ("gate_up_proj",), (e, h, 2 * i), columns=alternating)
-        slots[f"{x}down_proj"] = Slot(ft + ("down_proj",), (e, i, h))
+        if ffn.mxfp4:  # [E, out, in / 2] codes and [E, out, in / 32] scales, columns as the weights'
+            for name, inputs, outputs, columns in (("gate_up_proj", h, 2 * i, alternating), ("down_proj", i, h, None)):
+                for part, size in (("blocks", inputs // 2), ("scales", inputs // 32)):
+                    slots[f"{x}{name}_{part}"] = Slot(ft + (name, part), (e, outputs, size), True, columns,
+                                                      mxfp4=part)
+        else:
+            slots[f"{x}gate_up_proj"] = Slot(ft + ("gate_up_proj",), (e, h, 2 * i), columns=alternating)
+            slots[f"{x}down_proj"] = Slot(ft + ("down_proj",), (e, i, h))
         if ffn.bias:
             slots[f"{x}gate_up_proj_bias"] = Slot(ft + ("gate_up_bias",), (e, 2 * i), columns=alternating)
             slots[f"{x}down_proj_bias"] = Slot(ft + ("down_bias",), (e, h))
-    elif ffn.bias:
-        raise ValueError("biased experts have an HF layout here only as gpt-oss's")
+    elif ffn.bias or ffn.mxfp4:
+        raise ValueError("biased or MXFP4 experts have an HF layout here only as gpt-oss's")
     elif stacked_experts:  # one [E, 2I, H] and one [E, H, I] tensor (transformers 5's own layout)
         x = prefix + names.stacked_experts
         slots[f"{x}gate_up_proj"] = Slot(ft + ("gate_up_proj",), (ffn.num_experts, 2 * i, h), True)

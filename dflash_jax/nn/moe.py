@@ -1,7 +1,8 @@
 """The mixture-of-experts feed-forward block (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, gpt-oss): a
 softmax router picks ``top_k`` of ``num_experts`` SwiGLU experts per token, whose outputs are
 summed with the router's weights; the Qwen3.5 / Qwen3-Next variants add a shared SwiGLU expert
-scaled by a sigmoid gate; gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
+scaled by a sigmoid gate; gpt-oss adds biases to the router and the experts and clamps its SwiGLU,
+and keeps its experts in MXFP4 (``MoESpec.mxfp4``: decoded in the experts' kernel as it reads them).
 The experts run as a grouped matmul over (token, expert) pairs sorted by expert (``ops``)."""
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from dflash_jax.nn import mlp
 from dflash_jax.nn.initializers import normal
 from dflash_jax.nn.mlp import MLPParams, MLPSpec, init_mlp
 from dflash_jax.nn.tensor_parallel import sum_partials
-from pallas_kernels import rms_norm
+from pallas_kernels import Mxfp4Weight, rms_norm
+
+# The E8M0 scale that gives random MXFP4 weights about a normal(0, 0.02)'s spread: E2M1 codes drawn
+# uniformly have an RMS of about 2.9, and 2.9 * 2^(120 - 127) ~ 0.023.
+_RANDOM_MXFP4_SCALE = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +33,9 @@ class MoESpec:
     the top k, renormalised to sum 1 when ``norm_topk_prob``. ``shared_intermediate_size``: the
     width of a shared expert every token runs (None: none). ``bias``: the router and both expert
     projections carry biases. ``swiglu_limit``: gpt-oss's clamped SwiGLU, (clip(up, +-limit) + 1)
-    * g * sigmoid(swiglu_alpha * g) with g = min(gate, limit) (None: silu(gate) * up)."""
+    * g * sigmoid(swiglu_alpha * g) with g = min(gate, limit) (None: silu(gate) * up).
+    ``mxfp4``: the routed experts' weights are kept in MXFP4 (``Mxfp4Weight``: 4-bit codes and a
+    scale per 32 inputs, as gpt-oss releases them) instead of the params' dtype."""
 
     num_experts: int
     top_k: int
@@ -38,6 +45,7 @@ class MoESpec:
     bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    mxfp4: bool = False
 
     def __post_init__(self):
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -47,17 +55,21 @@ class MoESpec:
             raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.shared_intermediate_size is not None and self.shared_intermediate_size < 1:
             raise ConfigError(f"shared_expert_intermediate_size must be >= 1, got {self.shared_intermediate_size}")
+        if self.mxfp4 and self.intermediate_size % 32:
+            raise ConfigError(f"MXFP4 experts need an expert width that is a multiple of 32 (one scale per 32 "
+                              f"inputs of the down projection), got {self.intermediate_size}")
 
 
 @struct.dataclass
 class MoEParams:
     """H hidden, E experts, I expert width; each expert's gate | up fused as in ``MLPParams``,
-    the experts stacked on a leading axis (HF stores one tensor per expert). The shared expert
-    (S wide), when the spec has one, is an ``MLPParams`` with its gate's weight."""
+    the experts stacked on a leading axis (HF stores one tensor per expert), in the params' dtype
+    or (``MoESpec.mxfp4``) as ``Mxfp4Weight``s of those logical shapes. The shared expert (S
+    wide), when the spec has one, is an ``MLPParams`` with its gate's weight."""
 
     router: jax.Array                      # [H, E]
-    gate_up_proj: jax.Array                # [E, H, 2*I]
-    down_proj: jax.Array                   # [E, I, H]
+    gate_up_proj: jax.Array | Mxfp4Weight  # [E, H, 2*I]
+    down_proj: jax.Array | Mxfp4Weight     # [E, I, H]
     shared: MLPParams | None = None        # gate_up [H, 2*S], down [S, H]
     shared_gate: jax.Array | None = None   # [H, 1]
     router_bias: jax.Array | None = None   # [E]
@@ -65,18 +77,27 @@ class MoEParams:
     down_bias: jax.Array | None = None     # [E, H]
 
 
+def _random_mxfp4(key: jax.Array, shape: tuple[int, int, int]) -> Mxfp4Weight:
+    """Random MXFP4 weights of logical ``shape`` [E, K, N]: uniform codes, one scale throughout."""
+    e, k, n = shape
+    blocks = jax.random.bits(key, (e, k // 2, n), jnp.uint8)
+    return Mxfp4Weight(blocks, jnp.full((e, k // 32, n), _RANDOM_MXFP4_SCALE, jnp.uint8))
+
+
 def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0.02) -> MoEParams:
-    """Random weights (normal(0, scale)), zero biases: for tests and benchmarks."""
+    """Random weights (normal(0, scale); MXFP4 experts: uniform codes of about a 0.02 spread),
+    zero biases: for tests and benchmarks."""
     e, i = spec.num_experts, spec.intermediate_size
     zeros = lambda *shape: jnp.zeros(shape, dtype) if spec.bias else None  # noqa: E731
+    experts = ((lambda k, shape: _random_mxfp4(k, shape)) if spec.mxfp4 else
+               (lambda k, shape: normal(k, shape, dtype, scale)))
     keys = jax.random.split(key, 5)
     shared = shared_gate = None
     if spec.shared_intermediate_size is not None:
         shared = init_mlp(MLPSpec(spec.shared_intermediate_size), hidden, keys[3], dtype, scale)
         shared_gate = normal(keys[4], (hidden, 1), dtype, scale)
     return MoEParams(router=normal(keys[0], (hidden, e), dtype, scale),
-                     gate_up_proj=normal(keys[1], (e, hidden, 2 * i), dtype, scale),
-                     down_proj=normal(keys[2], (e, i, hidden), dtype, scale), shared=shared, shared_gate=shared_gate,
+                     gate_up_proj=experts(keys[1], (e, hidden, 2 * i)), down_proj=experts(keys[2], (e, i, hidden)), shared=shared, shared_gate=shared_gate,
                      router_bias=zeros(e), gate_up_bias=zeros(e, 2 * i), down_bias=zeros(e, hidden))
 
 

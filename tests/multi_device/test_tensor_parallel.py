@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from scipy import stats
 
 from builders import (hybrid_config, make_copy_draft, make_copy_target, make_target, make_zlab_draft,
-                      qwen3_moe_config, save_draft, save_speculators_draft, save_target, write_tokenizer)
+                      qwen3_moe_config, save_draft, save_mxfp4_gpt_oss, save_speculators_draft, save_target,
+                      write_tokenizer)
 from dflash_jax import generate as generate_cli
 from dflash_jax import target as target_model
 from dflash_jax.cache import allocate_pages, init_cache
@@ -529,6 +530,47 @@ def test_expert_parallelism_is_refused_where_the_experts_do_not_divide(tmp_path)
         load_target(tmp_path, "float32", tensor_parallel=TensorParallel(make_mesh(3), expert_parallel=True))
     assert "num_experts 4 is not divisible by 3" in str(refused.value)
     assert "moe_intermediate_size" not in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory) -> FamilyCase:
+    """A released-style gpt-oss folder whose experts are MXFP4 (width 64: two scale groups of the
+    down projection, one a shard at tp 2), loaded on one device."""
+    arch = dict(FAMILIES["gpt_oss"], expert_width=64)
+    path = save_mxfp4_gpt_oss(make_target(seed=3, std=0.1, **arch), tmp_path_factory.mktemp("mxfp4") / "hf", seed=3)
+    single = load_target(path, "float32", mxfp4_experts="keep")
+    prompts = _prompts(single.config.vocab_size)
+    tokens = generate(single, prompts, max_new_tokens=MAX_NEW, impl="reference").tokens
+    return FamilyCase("gpt_oss_mxfp4", path, single, prompts, tokens, prompt_logits(single, prompts))
+
+
+@pytest.mark.parametrize("tp, expert_parallel", [(2, False), (2, True), (4, True)])
+def test_mxfp4_experts_split_give_the_tokens_and_logits_of_one_device(mxfp4_gpt_oss, tp, expert_parallel):
+    """MXFP4 codes and scales split with their weights (by width: whole scale groups; or experts
+    dealt out whole); the experts' kernel decodes each shard's (interpreted, at tp 2)."""
+    case = mxfp4_gpt_oss
+    split = TensorParallel(make_mesh(tp), expert_parallel=expert_parallel)
+    target = load_target(case.path, "float32", tensor_parallel=split, mxfp4_experts="keep")
+    layout = target_layout(target.params, target.config, expert_parallel)
+    assert_each_device_holds_its_slices(target.params, layout, tp)
+    assert target.params.layers[0].ffn.down_proj.blocks.dtype == jnp.uint8
+    assert_same_params(unsharded(target.params, layout, split), case.single.params)
+    np.testing.assert_allclose(prompt_logits(target, case.prompts), case.logits, **LOGITS_TOLERANCE)
+    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+    if tp == 2:
+        assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="interpret").tokens == case.tokens
+
+
+def test_mxfp4_experts_split_into_partial_scale_groups_are_refused_or_dequantised(mxfp4_gpt_oss):
+    """Width 64 over 4 devices would cut the down projection's 32-input scale groups: refused,
+    naming the ways out; dequantised at load, the split runs and gives one device's tokens."""
+    case = mxfp4_gpt_oss
+    with pytest.raises(ValueError, match="intermediate_size / tp to be a multiple of 32 .* got 64 / 4: take "
+                                         "--expert-parallel or --mxfp4-experts dequantize"):
+        load_target(case.path, "float32", tensor_parallel=_split(4), mxfp4_experts="keep")
+    target = load_target(case.path, "float32", tensor_parallel=_split(4), mxfp4_experts="dequantize")
+    assert target.params.layers[0].ffn.down_proj.dtype == jnp.float32
+    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
 
 
 
