@@ -168,9 +168,6 @@ def load_draft(path: str | Path, target: Target | None = None, dtype=None, *,
     path, dtype = Path(path), _dtype(dtype)
     config = load_draft_config(path)
     tensor_parallel = None if target is None else target.tensor_parallel
-    if config.selector is not None and tensor_parallel is not None:
-        raise ValueError(f"{path}: a DFlash2 draft runs with a target on one device (its candidate selector "
-                         "reads whole logit rows): --tp with DFlash2 drafts is not supported yet")
     layout = None
     if target is not None:
         config.check_target(target.config)

@@ -211,10 +211,17 @@ def _ffn_layout(params, spec, expert_parallel: bool) -> Any:
                      down_bias=_present(params.down_bias, down_bias))
 
 
+def _replicated(params):
+    """A whole copy on every device of each leaf of ``params`` (None: absent)."""
+    return None if params is None else jax.tree.map(lambda _: REPLICATED, params)
+
+
 def _layers_layout(layers, config: ModelConfig, expert_parallel: bool = False) -> tuple:
+    # (DFlash2's convolutions act on whole hidden vectors: every device has them)
     return tuple(layer.replace(input_norm=REPLICATED, post_attention_norm=REPLICATED,
                                attention=_mixer_layout(layer.attention, spec.mixer),
-                               ffn=_ffn_layout(layer.ffn, spec.ffn, expert_parallel))
+                               ffn=_ffn_layout(layer.ffn, spec.ffn, expert_parallel),
+                               attention_conv=_replicated(layer.attention_conv), mlp_conv=_replicated(layer.mlp_conv))
                  for layer, spec in zip(layers, config.layers, strict=True))
 
 
@@ -228,12 +235,12 @@ def target_layout(params, config: ModelConfig, expert_parallel: bool = False):
 
 def draft_layout(params, config: DraftConfig, tensor_parallel: TensorParallel):
     """A DraftParams-shaped tree of LeafLayouts: the layers split like the target's (or all
-    replicated); fc, norms and a reduced-vocabulary head replicated."""
+    replicated); fc, norms, a reduced-vocabulary head and DFlash2's selector replicated."""
     if tensor_parallel.replicate_draft:
-        return jax.tree.map(lambda _: REPLICATED, params)
+        return _replicated(params)
     return params.replace(fc=REPLICATED, hidden_norm=REPLICATED, norm=REPLICATED,
                           lm_head=_present(params.lm_head, REPLICATED), d2t=_present(params.d2t, REPLICATED),
-                          layers=_layers_layout(params.layers, config.model))
+                          selector=_replicated(params.selector), layers=_layers_layout(params.layers, config.model))
 
 
 def is_layout(x) -> bool:

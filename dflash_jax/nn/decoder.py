@@ -109,18 +109,19 @@ def _convolved_layer(x: jax.Array, params: LayerParams, spec: LayerSpec, index: 
                      attend: Attend, state: Any, eps: float, impl: str,
                      tensor_axis: str | None) -> tuple[jax.Array, Any]:
     """A DFlash2 draft layer: each sublayer's normed input convolved before it, its output after
-    it (``nn.dynamic_conv``; the positions of x are the block's). Attention and a dense MLP, on
-    one device."""
-    if not isinstance(spec.mixer, AttentionSpec) or not isinstance(spec.ffn, MLPSpec) or tensor_axis is not None:
-        raise ValueError("a convolved (DFlash2) layer is softmax attention and a dense MLP, on one device")
+    it (``nn.dynamic_conv``; the positions of x are the block's). Attention and a dense MLP; with
+    ``tensor_axis`` each sublayer's partial products are summed before its output is convolved
+    (the convolutions act on whole hidden vectors, as every shard holds them)."""
+    if not isinstance(spec.mixer, AttentionSpec) or not isinstance(spec.ffn, MLPSpec):
+        raise ValueError("a convolved (DFlash2) layer is softmax attention and a dense MLP")
     h, after = dynamic_conv.prepare(rms_norm(x, params.input_norm, eps), params.attention_conv, spec.conv)
     projected = ops.project(h, params.attention.qkv_proj, bias=params.attention.qkv_bias, impl=impl)
     out, state = attend(state, index, spec.mixer, params.attention, projected, positions)
     out = ops.project(out.reshape(*out.shape[:2], -1), params.attention.o_proj, bias=params.attention.o_bias,
-                      impl=impl)
+                      sum_over=tensor_axis, impl=impl)
     x = x + dynamic_conv.finish(out, after, params.attention_conv, spec.conv)
     h, after = dynamic_conv.prepare(rms_norm(x, params.post_attention_norm, eps), params.mlp_conv, spec.conv)
-    y = mlp.swiglu(h, params.ffn, impl)
+    y = mlp.swiglu(h, params.ffn, impl, sum_over=tensor_axis)
     return x + dynamic_conv.finish(y, after, params.mlp_conv, spec.conv), state
 
 

@@ -54,8 +54,9 @@ def forward(x: jax.Array, params: MLPParams, norm_weight: jax.Array, eps: float,
     return ops.project(h, params.down_proj, bias=params.down_bias, residual=x, sum_over=tensor_axis, impl=impl)
 
 
-def swiglu(h: jax.Array, params: MLPParams, impl: str) -> jax.Array:
-    """down(silu(gate) * up) of an already normed h [..., H], no residual (a MoE's shared expert;
-    under tensor parallelism a partial sum, which the MoE block sums with the experts')."""
+def swiglu(h: jax.Array, params: MLPParams, impl: str, sum_over: str | None = None) -> jax.Array:
+    """down(silu(gate) * up) of an already normed h [..., H], no residual. Under tensor
+    parallelism a partial sum (a MoE's shared expert, which the MoE block sums with the
+    experts'), or with ``sum_over`` the whole (the shards' partial products summed)."""
     g = ops.project(h, params.gate_up_proj, bias=params.gate_up_bias, gated=True, impl=impl)
-    return ops.project(g, params.down_proj, bias=params.down_bias, impl=impl)
+    return ops.project(g, params.down_proj, bias=params.down_bias, sum_over=sum_over, impl=impl)

@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from scipy import stats
 
-from builders import (hybrid_config, make_copy_draft, make_copy_target, make_target, make_zlab_draft,
+from builders import (as_dflash2, hybrid_config, make_copy_draft, make_copy_target, make_target, make_zlab_draft,
                       qwen3_moe_config, save_draft, save_mxfp4_gpt_oss, save_speculators_draft, save_target,
                       write_tokenizer)
 from dflash_jax import generate as generate_cli
@@ -283,6 +283,37 @@ def test_dflash_split_with_a_reduced_vocabulary_draft_head(copy_pair, spec_pair,
     out = generate(target, copy_pair.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
     assert out.tokens == single.tokens == copy_pair.tokens   # lossless
     assert out.stats.accept_lengths == single.stats.accept_lengths
+
+
+@pytest.fixture(scope="module")
+def dflash2_copy_pair(tmp_path_factory) -> DFlashCase:
+    """The copying Qwen3 pair with its draft turned DFlash2 (convolutions and a selector), on one
+    device."""
+    root = tmp_path_factory.mktemp("dflash2_copy_pair")
+    hf_target = make_copy_target()
+    return _dflash_case(save_target(hf_target, root / "target"),
+                        save_draft(as_dflash2(make_copy_draft(hf_target), group_size=8), root / "draft"))
+
+
+@pytest.mark.parametrize("replicate_draft", [False, True], ids=["draft-split", "draft-replicated"])
+def test_dflash2_split_keeps_tokens_acceptance_and_samples(dflash2_copy_pair, replicate_draft):
+    """DFlash2 at TP 2: each convolution on whole hidden vectors (after its sublayer's sum), the
+    selector over the gathered vocabulary on every device (one path: its key is the same on
+    each): one device's greedy tokens and acceptance lengths. Sampled, every row a valid run with
+    accepts and rejections (the split sampler draws its own noise per shard: exact in
+    distribution, not one device's draws)."""
+    case = dflash2_copy_pair
+    target, draft = _load_split(case, _split(2, replicate_draft))
+    assert draft.config.selector is not None
+    out = generate(target, case.prompts, draft=draft, max_new_tokens=DFLASH_NEW, impl="reference")
+    assert out.tokens == case.tokens
+    assert out.stats.accept_lengths == case.accept_lengths
+    prompts = _prompts(128, DFLASH_PROMPT_LENS * 4, seed=4)
+    sampled = generate(target, prompts, draft=draft, max_new_tokens=16, seed=3, impl="reference",
+                       sampling=SamplingConfig(temperature=0.8, top_k=20))
+    assert all(len(row) == 16 and all(0 <= t < 128 for t in row) for row in sampled.tokens)
+    lengths = {n for row in sampled.stats.accept_lengths for n in row[:-1]}
+    assert 1 in lengths and max(lengths) >= 3, f"accepts and rejections both exercised: {sorted(lengths)}"
 
 
 @pytest.mark.parametrize("pair", ["copy_pair", "hybrid_copy_pair"])
