@@ -182,5 +182,5 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwr
         for name in SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
-        checkpoint.write_marker(tmp, kind, dtype)
+        checkpoint.write_marker(tmp, kind, dtype, mxfp4_experts=kind == "target" and config.mxfp4_experts)
     return out

@@ -244,11 +244,25 @@ def _rotary(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")  # derived, not a weight
 
 
+def stored_target_config(directory: Path) -> ModelConfig:
+    """A target folder's config with its experts as the folder stores them: an MXFP4 config.json
+    over dense expert tensors (an HF folder saved dequantised, or a folder converted before
+    converted folders kept MXFP4: its marker does not say ``mxfp4_experts``) reads as dense."""
+    config = load_target_config(directory)
+    if not config.mxfp4_experts:
+        return config
+    if is_converted(directory):
+        stored = read_marker(directory, "target").get("mxfp4_experts", False)
+    else:
+        stored = any(name.endswith(mxfp4.BLOCKS_SUFFIX) for name, _, _ in iter_tensors(directory, True))
+    return config if stored else config.with_dequantized_experts()
+
+
 def _target_source(directory: Path, dtype, progress: bool,
                    dequantize_experts: bool = False) -> tuple[ModelConfig, Any, Iterator]:
     """(config, params structure, leaf stream) of an HF target folder of any family; MXFP4
     experts kept as stored unless ``dequantize_experts``."""
-    config = load_target_config(directory)
+    config = stored_target_config(directory)
     if dequantize_experts:
         config = config.with_dequantized_experts()
     packed = config.mxfp4_experts
@@ -459,10 +473,13 @@ def is_converted(directory: str | Path) -> bool:
     return (Path(directory) / MARKER_FILE).is_file()
 
 
-def write_marker(directory: Path, kind: str, dtype: str) -> None:
-    """The file that marks a converted folder: format version, kind (target/draft), dtype."""
-    (directory / MARKER_FILE).write_text(json.dumps(
-        {"format_version": FORMAT_VERSION, "kind": kind, "dtype": dtype}, indent=2) + "\n")
+def write_marker(directory: Path, kind: str, dtype: str, mxfp4_experts: bool = False) -> None:
+    """The file that marks a converted folder: format version, kind (target/draft), dtype, and
+    whether a target's experts are stored in MXFP4."""
+    marker = {"format_version": FORMAT_VERSION, "kind": kind, "dtype": dtype}
+    if mxfp4_experts:
+        marker["mxfp4_experts"] = True
+    (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 def read_marker(directory: str | Path, kind: str) -> dict:

@@ -32,7 +32,7 @@ from dflash_jax import selector
 from dflash_jax import target as target_model
 from dflash_jax.cache import PagedKVCache
 from dflash_jax.config import DraftConfig, ModelConfig
-from dflash_jax.nn.tensor_parallel import gather_vocab, local_vocab, vocab_argmax
+from dflash_jax.nn.tensor_parallel import vocab_argmax
 from dflash_jax.params import DraftParams, TargetParams
 from dflash_jax.sharding import (TensorParallel, cache_specs, draft_layout, local_config, local_draft_config, specs,
                                  target_layout)
@@ -249,16 +249,12 @@ def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block
     hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl,
                                       vocab_axis=vocab_axis)
     logits = draft_model.draft_logits(draft, config.draft, target, hidden[:, 1:], vocab_axis)
-    if config.draft.selector is not None:
-        # DFlash2: a path through each position's top-k candidates of the whole vocabulary, the
-        # same on every shard (its q as this shard's columns, as every split logits tensor)
+    if config.draft.selector is not None:  # DFlash2: a path through each position's top-k candidates
         sampled = not state.sampling.greedy
-        whole = gather_vocab(logits, vocab_axis)
         path, candidates, probs = selector.select(
-            draft.selector, config.draft.selector, hidden[:, 1:], whole, state.last_token,
-            state.sampling.temperature if sampled else None, key if sampled else None)
-        return path, None if probs is None else local_vocab(selector.dense_probs(candidates, probs, whole.shape[-1]),
-                                                            vocab_axis)
+            draft.selector, config.draft.selector, hidden[:, 1:], logits, state.last_token,
+            state.sampling.temperature if sampled else None, key if sampled else None, vocab_axis)
+        return path, None if probs is None else selector.dense_probs(candidates, probs, logits.shape[-1], vocab_axis)
     if state.sampling.greedy:
         return vocab_argmax(logits, vocab_axis), None
     probs = sampling_probs(logits, state.sampling, vocab_axis)

@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import checkpoint, sharding
-from pallas_kernels import Mxfp4Weight, dequantize_mxfp4
+from dflash_jax import checkpoint, mxfp4, sharding
+from pallas_kernels import Mxfp4Weight
 from dflash_jax.config import DraftConfig, ModelConfig, load_draft_config, load_target_config
 from dflash_jax.params import DraftParams, TargetParams, init_draft_params, init_target_params
 from dflash_jax.sharding import TensorParallel
@@ -19,9 +19,9 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float
 # How MXFP4 experts (gpt-oss) are held: "keep" (MXFP4, decoded by the experts' kernel as it reads
 # them), "dequantize" (the params' dtype, at load), "auto" (see ``dequantizes_experts``)
 MXFP4_EXPERTS = ("auto", "keep", "dequantize")
-# auto dequantises while the dequantised params take at most this share of a device's memory
-# (the rest for the KV cache and activations)
-DEQUANTIZED_SHARE = 0.6
+# auto dequantises while the dequantised params take at most this share of the memory JAX may use
+# on a device (the rest for the KV cache and activations)
+DEQUANTIZED_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,47 +76,70 @@ def _restore_converted(path: Path, kind: str, init, progress: bool, layout=None,
     return checkpoint.restore_params(path, abstract, progress=progress, place=place)
 
 
-def _dequantized_experts(params, dtype, layout, tensor_parallel: TensorParallel | None):
-    """``params`` with every ``Mxfp4Weight`` dequantised to ``dtype`` on its devices, one weight
-    at a time (placed as ``layout``, the dense params' layout tree, says)."""
-    where = None if layout is None else sharding.named(sharding.specs(layout), tensor_parallel.mesh)
-    is_mxfp4 = lambda leaf: isinstance(leaf, Mxfp4Weight)  # noqa: E731
+def _dequantizing_placer(abstract, dtype, place: checkpoint.Place) -> checkpoint.Place:
+    """``checkpoint``'s ``place`` for restoring MXFP4 experts (``abstract``'s Mxfp4Weight leaves)
+    as dense params: each weight's codes and scales held on the host until both are read, then
+    dequantised to ``dtype`` and ``place``d under the weight's own path; the pair's first half
+    restores as None (``_merged_pairs`` keeps the other)."""
+    pairs = {path[:-1] for path in checkpoint.leaves_by_path(abstract) if path[-1] in Mxfp4Weight._fields}
+    pending = {}
 
-    def convert(leaf, placement):
-        if not is_mxfp4(leaf):
+    def place_leaf(path, array):
+        if path[:-1] not in pairs:
+            return place(path, array)
+        halves = pending.setdefault(path[:-1], {})
+        halves[path[-1]] = array
+        if len(halves) < 2:
+            return None
+        weight = mxfp4.dequantize_packed(**pending.pop(path[:-1]))
+        return place(path[:-1], checkpoint.host_layout(weight, False, dtype, "/".join(map(str, path[:-1]))))
+
+    return place_leaf
+
+
+def _merged_pairs(params):
+    """``params`` restored through ``_dequantizing_placer``: each Mxfp4Weight node replaced by its
+    placed dense weight."""
+    def merged(leaf):
+        if not isinstance(leaf, Mxfp4Weight):
             return leaf
-        return jax.jit(dequantize_mxfp4, static_argnums=1, out_shardings=placement)(leaf, dtype)
+        return leaf.scales if leaf.blocks is None else leaf.blocks
 
-    if where is None:
-        return jax.tree.map(lambda leaf: convert(leaf, None), params, is_leaf=is_mxfp4)
-    return jax.tree.map(convert, params, where, is_leaf=lambda x: is_mxfp4(x) or x is None)
+    return jax.tree.map(merged, params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
 
 
 def device_memory() -> int | None:
-    """Bytes of memory a local device has (None where it reports none, as a CPU)."""
+    """Bytes of memory JAX may use on a local device (None where it reports none, as a CPU)."""
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
-def dequantizes_experts(config: ModelConfig, dtype, mode: str, tensor_parallel: TensorParallel | None) -> bool:
-    """Whether a target of ``config`` loads its MXFP4 experts dequantised to ``dtype``: as
-    ``mode`` says, or for "auto" whenever the dequantised params fit ``DEQUANTIZED_SHARE`` of a
-    device's memory (so on a CPU, which reports none): on an H200 the bf16 experts decode faster
-    than the MXFP4 kernel does (``benchmarks/RESULTS.md``), which holds gpt-oss-120b on one GPU.
-    "auto" says on stderr what it chose."""
+def _dense_bytes(config: ModelConfig, dtype, tp: int) -> float:
+    """Bytes a device holds of ``config``'s params with its experts dequantised to ``dtype``."""
+    dense = jax.eval_shape(lambda: init_target_params(config.with_dequantized_experts(), jax.random.key(0), dtype))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / tp
+
+
+def dequantizes_experts(config: ModelConfig, dtype, mode: str, tp: int = 1) -> bool:
+    """Whether a target of ``config`` (as stored: ``checkpoint.stored_target_config``) loads its MXFP4 experts
+    dequantised to ``dtype`` over ``tp`` devices: as ``mode`` says, or for "auto" whenever the
+    dequantised params fit ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device (so on a
+    CPU, which reports none): on an H200 the bf16 experts decode faster than the MXFP4 kernel does
+    (``benchmarks/RESULTS.md``); kept in MXFP4, gpt-oss-120b fits one GPU."""
     if mode not in MXFP4_EXPERTS:
         raise ValueError(f"mxfp4_experts must be one of {MXFP4_EXPERTS}, got {mode!r}")
     if not config.mxfp4_experts or mode != "auto":
         return config.mxfp4_experts and mode == "dequantize"
-    dense = jax.eval_shape(lambda: init_target_params(config.with_dequantized_experts(), jax.random.key(0), dtype))
-    per_device = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / (
-        1 if tensor_parallel is None else tensor_parallel.size)
     limit = device_memory()
-    dequantize = limit is None or per_device <= DEQUANTIZED_SHARE * limit
-    room = "" if limit is None else f" of the {limit / 1e9:.0f} GB a device has"
-    print(f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize else 'kept in MXFP4'} "
-          f"(dequantised, the params take {per_device / 1e9:.1f} GB a device{room}; --mxfp4-experts keep|dequantize "
-          "chooses)", file=sys.stderr)
-    return dequantize
+    return limit is None or _dense_bytes(config, dtype, tp) <= DEQUANTIZED_SHARE * limit
+
+
+def loaded_config(path: str | Path, dtype="bfloat16", mxfp4_experts: str = "auto", tp: int = 1) -> ModelConfig:
+    """The config ``load_target`` gives the target folder ``path`` (its experts as stored, or
+    dequantised as ``mxfp4_experts`` says): what a caller checks a split or the kernels against
+    before any weight is read."""
+    config = checkpoint.stored_target_config(Path(path))
+    return config.with_dequantized_experts() if dequantizes_experts(config, _dtype(dtype), mxfp4_experts, tp) \
+        else config
 
 
 def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
@@ -126,20 +149,23 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
     ``progress`` shows a tqdm bar on stderr while the weights are read. With ``tensor_parallel``
     each device receives only its slices as the checkpoint streams; a config that cannot be
     split that way is refused before any weight is read. Experts stored in MXFP4 (gpt-oss) are
-    held as ``mxfp4_experts`` says (``MXFP4_EXPERTS``, ``dequantizes_experts``): in MXFP4, or
-    dequantised to ``dtype`` (3.8x their memory)."""
+    held as ``mxfp4_experts`` says (``MXFP4_EXPERTS``, ``dequantizes_experts``; "auto" says on
+    stderr what it chose): in MXFP4, or dequantised to ``dtype`` as they are read (3.8x their
+    memory in bfloat16)."""
     path, dtype = Path(path), _dtype(dtype)
-    config = load_target_config(path)
-    dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tensor_parallel)
-    if dequantize_experts and checkpoint.is_converted(path):
-        # a converted folder holds the experts as stored: dequantised on the device once restored
-        stored = load_target(path, dtype, progress=progress, tensor_parallel=tensor_parallel, mxfp4_experts="keep")
-        config = config.with_dequantized_experts()
-        dense = jax.eval_shape(lambda: init_target_params(config, jax.random.key(0), dtype))
-        layout = None if tensor_parallel is None else sharding.target_layout(
-            dense, config, tensor_parallel.expert_parallel)
-        params = _dequantized_experts(stored.params, dtype, layout, tensor_parallel)
-        return Target(config, params, path, tensor_parallel)
+    tp = 1 if tensor_parallel is None else tensor_parallel.size
+    config = checkpoint.stored_target_config(path)
+    if mxfp4_experts == "keep" and not config.mxfp4_experts and load_target_config(path).mxfp4_experts:
+        raise ValueError(f"{path} stores its experts dequantised (its config.json says mxfp4): they cannot be kept "
+                         "in MXFP4; convert the released checkpoint again, or take --mxfp4-experts dequantize")
+    dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tp)
+    if mxfp4_experts == "auto" and config.mxfp4_experts:
+        limit = device_memory()
+        room = "" if limit is None else f" of the {limit / 1e9:.0f} GB JAX may use on a device"
+        print(f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize_experts else 'kept in MXFP4'}"
+              f" (dequantised, the params take {_dense_bytes(config, dtype, tp) / 1e9:.1f} GB a device{room}; "
+              "--mxfp4-experts keep|dequantize chooses)", file=sys.stderr)
+    stored = config
     if dequantize_experts:
         config = config.with_dequantized_experts()
     layout = None
@@ -148,10 +174,18 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
         sharding.local_config(config, tensor_parallel.size, expert_parallel=experts_whole)
         layout = lambda params: sharding.target_layout(params, config, experts_whole)  # noqa: E731
     init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
+    place = (None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel))
+    if checkpoint.is_converted(path) and stored.mxfp4_experts and dequantize_experts:
+        # the folder holds the codes: each weight dequantised on the host as its layer is read
+        checkpoint.read_marker(path, "target")
+        abstract = jax.eval_shape(lambda: init_target_params(stored, jax.random.key(0), dtype))
+        on_device = place or (lambda _, array: jax.device_put(array))
+        params = checkpoint.restore_params(path, abstract, progress=progress,
+                                           place=_dequantizing_placer(abstract, dtype, on_device))
+        return Target(config, _merged_pairs(params), path, tensor_parallel)
     if checkpoint.is_converted(path):
         params = _restore_converted(path, "target", init, progress, layout, tensor_parallel)
         return Target(config, params, path, tensor_parallel)
-    place = None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel)
     config, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place,
                                                dequantize_experts=dequantize_experts)
     return Target(config, params, path, tensor_parallel)

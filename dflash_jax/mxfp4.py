@@ -48,3 +48,11 @@ def dequantized_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape ``dequantize_pair`` returns for blocks of ``blocks_shape``."""
     experts, rows, groups, _ = blocks_shape
     return experts, groups * 32, rows
+
+
+def dequantize_packed(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An expert weight in the experts' kernel's layout (``pallas_kernels.Mxfp4Weight``: blocks
+    [E, K/2, N], scales [E, K/32, N]) -> float32 [E, K, N], as ``dequantize_pair`` decodes it."""
+    experts, half, outputs = blocks.shape
+    return dequantize_pair(np.swapaxes(blocks, 1, 2).reshape(experts, outputs, half // 16, 16),
+                           np.swapaxes(scales, 1, 2))

@@ -51,16 +51,33 @@ def init_selector(spec: SelectorSpec, vocab: int, hidden: int, key: jax.Array, d
                           hidden_projection=normal(keys[2], (hidden, spec.rank), dtype, scale))
 
 
+def top_candidates(logits: jax.Array, top_k: int, vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """(logits [..., k] f32 in descending order, their token ids [..., k]) of the ``top_k`` best of
+    logits [..., V], or with ``vocab_axis`` of the vocabulary's column shards [..., V_local]: each
+    shard's best k with their global ids, gathered, the best k of those (ties to the lower id, as
+    on one device: the shards' columns are in id order)."""
+    vocab = logits.shape[-1] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+    if vocab < top_k:
+        raise ConfigError(f"selector_top_k {top_k} exceeds the vocabulary {vocab}")
+    unary, ids = jax.lax.top_k(logits.astype(jnp.float32), min(top_k, logits.shape[-1]))
+    if vocab_axis is None:
+        return unary, ids
+    ids = ids + jax.lax.axis_index(vocab_axis) * logits.shape[-1]
+    unary, ids = (jax.lax.all_gather(x, vocab_axis, axis=x.ndim - 1, tiled=True) for x in (unary, ids))
+    unary, best = jax.lax.top_k(unary, top_k)
+    return unary, jnp.take_along_axis(ids, best, axis=-1)
+
+
 def select(params: SelectorParams, spec: SelectorSpec, hidden: jax.Array, logits: jax.Array, anchor: jax.Array,
-           temperature: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The path of draft tokens [B, P] for hidden [B, P, H] and its logits [B, P, V] after the
-    anchor (the last committed token) [B]: (path, candidates [B, P, k], the per-position k-way
-    probabilities [B, P, k] f32 when sampling at ``temperature`` (scalar or [B]; a row at 0 is
-    greedy) with ``key`` (one, or one per row [B]), else None). Candidates in descending logit
+           temperature: jax.Array | None, key: jax.Array | None,
+           vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The path of draft tokens [B, P] for hidden [B, P, H] and its logits [B, P, V] (with
+    ``vocab_axis``: this shard's columns; the path is the same on every shard, given the same key)
+    after the anchor (the last committed token) [B]: (path, candidates [B, P, k], the per-position
+    k-way probabilities [B, P, k] f32 when sampling at ``temperature`` (scalar or [B]; a row at 0
+    is greedy) with ``key`` (one, or one per row [B]), else None). Candidates in descending logit
     order."""
-    if logits.shape[-1] < spec.top_k:
-        raise ConfigError(f"selector_top_k {spec.top_k} exceeds the vocabulary {logits.shape[-1]}")
-    unary, candidates = jax.lax.top_k(logits.astype(jnp.float32), spec.top_k)
+    unary, candidates = top_candidates(logits, spec.top_k, vocab_axis)
     projected = hidden @ params.hidden_projection                                      # [B, P, r]
     successors = params.successor_codebook[candidates]                                 # [B, P, k, r]
     sampling = temperature is not None
@@ -92,9 +109,13 @@ def select(params: SelectorParams, spec: SelectorSpec, hidden: jax.Array, logits
     return per_position(path), candidates, None if probs is None else per_position(probs)
 
 
-def dense_probs(candidates: jax.Array, probs: jax.Array, vocab: int) -> jax.Array:
+def dense_probs(candidates: jax.Array, probs: jax.Array, vocab: int, vocab_axis: str | None = None) -> jax.Array:
     """The selector's k-way probabilities [B, P, k] at their candidates' ids [B, P, k] as dense
-    rows [B, P, V] (zero elsewhere): the draft's q for rejection sampling."""
+    rows [B, P, V] (zero elsewhere): the draft's q for rejection sampling. With ``vocab_axis``,
+    ``vocab`` is a shard's width and the rows this shard's columns."""
+    offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * vocab
+    local = candidates - offset
+    local = jnp.where((local >= 0) & (local < vocab), local, vocab)   # another shard's: dropped
     dense = jnp.zeros((*candidates.shape[:-1], vocab), jnp.float32)
     rows = jnp.arange(candidates.shape[0])[:, None, None], jnp.arange(candidates.shape[1])[None, :, None]
-    return dense.at[rows[0], rows[1], candidates].add(probs)
+    return dense.at[rows[0], rows[1], local].add(probs, mode="drop")

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mxfp4-experts", choices=MXFP4_EXPERTS, default="auto",
                    help="how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
                         "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster decode on "
-                        "an H200), auto (dequantize when that fits 60%% of a device's memory)")
+                        "an H200), auto (dequantize where that fits 80%% of a device's memory for JAX)")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of requests that give none")
     p.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                    help="seconds running requests get to finish after SIGTERM")

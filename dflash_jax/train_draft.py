@@ -49,7 +49,7 @@ from dflash_jax.cli import (COMPILE_CACHE_HELP, at_least, exit_with, interrupt_e
 from dflash_jax.config import DraftConfig, LayerSpec, ModelConfig, build_target_layer_ids, load_target_config
 from dflash_jax.nn.mlp import MLPSpec
 from dflash_jax.nn.moe import MoESpec
-from dflash_jax.models import Draft, Target, load_draft, load_target
+from dflash_jax.models import Draft, Target, load_draft, load_target, loaded_config
 from dflash_jax.params import DraftParams, TargetParams, cast_params, init_draft_params
 from dflash_jax.sampling import SamplingConfig, leading_run
 from dflash_jax.sharding import TensorParallel, local_config, make_mesh
@@ -557,8 +557,8 @@ def main(argv: list[str] | None = None) -> None:
         eos_id = target_config.eos_token_ids[0] if target_config.eos_token_ids else None
         eval_prompts = _eval_prompts(args, tokenizer, eos_id) if args.eval_prompts else None
         tensor_parallel = None if args.tp == 1 else TensorParallel(make_mesh(args.tp), replicate_draft=True)
-        if tensor_parallel is not None:  # before the run's folders are claimed
-            local_config(target_config, args.tp)
+        if tensor_parallel is not None:  # before the run's folders are claimed (with its experts as loaded)
+            local_config(loaded_config(args.target, args.dtype, tp=args.tp), args.tp)
         if args.eval_only:
             target = load_target(args.target, dtype=args.dtype, tensor_parallel=tensor_parallel)
             draft = load_draft(args.out, target, dtype=args.dtype)

@@ -74,8 +74,9 @@ def _e8m0(scales: jax.Array) -> jax.Array:
 def dequantize_mxfp4(w: Mxfp4Weight, dtype) -> jax.Array:
     """The [E, K, N] values of an MXFP4 weight in ``dtype``: code x scale, computed in float32 and
     exact in float32 and bfloat16 (dflash_jax.mxfp4.dequantize's values bit for bit) for scales in
-    [2, 254]; s = 0 gives zeros and s = 255 infinities/NaNs (see ``_e8m0``), and float16 overflows
-    or rounds beyond its narrower range."""
+    [2, 254]; s = 0 gives zeros and s = 255 infinities/NaNs (see ``_e8m0``; the host's decoder,
+    as transformers', scales by 2^-127 and 2^128 there: neither occurs in released weights), and
+    float16 overflows or rounds beyond its narrower range."""
     num_experts, k, n = w.shape
     packed = w.blocks.astype(jnp.int32)
     codes = jnp.stack([packed & 15, packed >> 4], axis=2).reshape(num_experts, k, n)  # k = 2 (k // 2) + nibble

@@ -272,6 +272,8 @@ def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gp
     """An MXFP4 target converted keeps its codes (and dequantises on the device when asked);
     exported it writes the same *_blocks / *_scales bytes; DFlash on it is lossless, and the
     experts' kernel (interpreted) decoding MXFP4 gives the reference's tokens."""
+    import json
+
     from safetensors.numpy import load_file
 
     from checkpoints_convert import convert
@@ -279,6 +281,7 @@ def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gp
     hf, folder = mxfp4_gpt_oss
     target = load_target(folder, "float32", mxfp4_experts="keep")
     converted = convert(folder, tmp_path / "converted", dtype="float32", progress=False)
+    assert json.loads((converted / "dflash_jax.json").read_text())["mxfp4_experts"] is True
     from_converted = load_target(converted, "float32", mxfp4_experts="keep")
     assert from_converted.config == target.config
     for ours, theirs in zip(jax.tree.leaves(from_converted.params), jax.tree.leaves(target.params)):
@@ -299,6 +302,33 @@ def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gp
     plain = generate(dense, prompts, max_new_tokens=8, impl="reference")
     assert generate(target, prompts, draft=draft, max_new_tokens=8, impl="reference").tokens == plain.tokens
     assert generate(target, prompts, draft=draft, max_new_tokens=8, impl="interpret").tokens == plain.tokens
+
+
+def test_an_mxfp4_config_over_dense_experts_loads_them_dense(mxfp4_gpt_oss, tmp_path):
+    """A folder whose config.json says mxfp4 but whose experts are dense (an HF folder saved
+    dequantised; a folder converted before MXFP4 was kept, its marker silent on it) loads its
+    experts as they are; asked to keep MXFP4, it says why it cannot."""
+    import json
+
+    from builders import edit_config
+    from checkpoints_convert import convert
+    from dflash_jax.families.gpt_oss import MXFP4_QUANTIZATION
+
+    hf, _ = mxfp4_gpt_oss
+    hf_dense = tmp_path / "hf"
+    hf.save_pretrained(hf_dense)      # its experts dense, as transformers holds them
+    target = load_target(hf_dense, "float32")
+    converted = convert(hf_dense, tmp_path / "converted", dtype="float32", progress=False)
+    assert "mxfp4_experts" not in json.loads((converted / "dflash_jax.json").read_text())
+    tokens = list(range(3, 15))
+    for path in (hf_dense, converted):
+        edit_config(path, lambda raw: raw.update(quantization_config=MXFP4_QUANTIZATION))
+        loaded = load_target(path, "float32")
+        assert loaded.config == target.config
+        np.testing.assert_array_equal(_forward_in_pieces(loaded, tokens, (12,)),
+                                      _forward_in_pieces(target, tokens, (12,)))
+        with pytest.raises(ValueError, match="stores its experts dequantised .* cannot be kept in MXFP4"):
+            load_target(path, "float32", mxfp4_experts="keep")
 
 
 def test_half_an_mxfp4_pair_is_named(tmp_path):

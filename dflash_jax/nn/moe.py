@@ -89,15 +89,15 @@ def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0
     zero biases: for tests and benchmarks."""
     e, i = spec.num_experts, spec.intermediate_size
     zeros = lambda *shape: jnp.zeros(shape, dtype) if spec.bias else None  # noqa: E731
-    experts = ((lambda k, shape: _random_mxfp4(k, shape)) if spec.mxfp4 else
-               (lambda k, shape: normal(k, shape, dtype, scale)))
+    experts = _random_mxfp4 if spec.mxfp4 else (lambda k, shape: normal(k, shape, dtype, scale))
     keys = jax.random.split(key, 5)
     shared = shared_gate = None
     if spec.shared_intermediate_size is not None:
         shared = init_mlp(MLPSpec(spec.shared_intermediate_size), hidden, keys[3], dtype, scale)
         shared_gate = normal(keys[4], (hidden, 1), dtype, scale)
     return MoEParams(router=normal(keys[0], (hidden, e), dtype, scale),
-                     gate_up_proj=experts(keys[1], (e, hidden, 2 * i)), down_proj=experts(keys[2], (e, i, hidden)), shared=shared, shared_gate=shared_gate,
+                     gate_up_proj=experts(keys[1], (e, hidden, 2 * i)), down_proj=experts(keys[2], (e, i, hidden)),
+                     shared=shared, shared_gate=shared_gate,
                      router_bias=zeros(e), gate_up_bias=zeros(e, 2 * i), down_bias=zeros(e, hidden))
 
 

@@ -592,6 +592,58 @@ def test_mxfp4_experts_split_give_the_tokens_and_logits_of_one_device(mxfp4_gpt_
         assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="interpret").tokens == case.tokens
 
 
+def test_a_converted_mxfp4_folder_loads_into_any_degree_kept_or_dequantised(mxfp4_gpt_oss, tmp_path):
+    """A converted folder keeps the codes: kept at tp 2 (by width) and tp 4 (by expert), and
+    dequantised (on the host, layer by layer) at tp 4 by width, where kept codes cannot split:
+    one device's params and tokens."""
+    from checkpoints_convert import convert
+
+    case = mxfp4_gpt_oss
+    converted = convert(case.path, tmp_path / "converted", dtype="float32", progress=False)
+    for split in (_split(2), TensorParallel(make_mesh(4), expert_parallel=True)):
+        target = load_target(converted, "float32", tensor_parallel=split, mxfp4_experts="keep")
+        layout = target_layout(target.params, target.config, split.expert_parallel)
+        assert_same_params(unsharded(target.params, layout, split), case.single.params)
+        assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+    dense = load_target(case.path, "float32", mxfp4_experts="dequantize")
+    target = load_target(converted, "float32", tensor_parallel=_split(4), mxfp4_experts="dequantize")
+    assert_same_params(unsharded(target.params, target_layout(target.params, target.config), target.tensor_parallel),
+                       dense.params)
+    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+
+
+def test_cli_tp_4_dequantises_mxfp4_experts_that_cannot_split_kept(tmp_path, capsys):
+    """The CLI checks a split against the experts as they will load: --tp 4 with the experts
+    dequantised (asked, or auto on a CPU) prints what one device prints; kept, it is refused
+    before any weight is read, naming the ways out."""
+    arch = dict(FAMILIES["gpt_oss"], vocab=CLI_VOCAB, expert_width=64)
+    folder = save_mxfp4_gpt_oss(make_target(seed=4, std=0.1, **arch), tmp_path / "gpt_oss", seed=4)
+    assert write_tokenizer(folder) <= CLI_VOCAB
+    flags = ["--target", str(folder), "--prompt", "def fib", "--max-new-tokens", "6", "--dtype", "float32",
+             "--impl", "reference"]
+    outputs = []
+    for extra in ([], ["--tp", "4", "--mxfp4-experts", "dequantize"], ["--tp", "4"]):
+        assert generate_cli.main(flags + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[1] == outputs[2] == outputs[0] and outputs[0].startswith("def fib")
+    assert generate_cli.main(flags + ["--tp", "4", "--mxfp4-experts", "keep"]) == 2
+    assert "got 64 / 4: take --expert-parallel or --mxfp4-experts dequantize" in capsys.readouterr().err
+
+
+def test_split_selector_candidates_are_one_devices():
+    """DFlash2's selector under a split vocabulary: each shard's best k, gathered, give one
+    device's top k, ties to the lower id (logits rounded to a few values: many ties)."""
+    from dflash_jax.selector import top_candidates
+
+    logits = jnp.round(jax.random.normal(jax.random.key(5), (3, 7, 64)) * 2) / 2
+    unary, ids = top_candidates(logits, 6)
+    for tp in (2, 4):
+        split = _on_columns(lambda x: jnp.concatenate(top_candidates(x, 6, "tp")[::-1], axis=-1).astype(jnp.float32),
+                            tp, logits)
+        np.testing.assert_array_equal(np.asarray(split[..., :6]).astype(np.int32), np.asarray(ids))
+        np.testing.assert_array_equal(np.asarray(split[..., 6:]), np.asarray(unary))
+
+
 def test_mxfp4_experts_split_into_partial_scale_groups_are_refused_or_dequantised(mxfp4_gpt_oss):
     """Width 64 over 4 devices would cut the down projection's 32-input scale groups: refused,
     naming the ways out; dequantised at load, the split runs and gives one device's tokens."""
