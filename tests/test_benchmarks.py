@@ -397,6 +397,18 @@ def test_bench_moe_times_every_method_against_the_routed_bytes(tmp_path, capsys)
     assert "tokens  method" in capsys.readouterr().out
 
 
+def test_bench_moe_times_the_mxfp4_kernel_against_its_packed_bytes(tmp_path, capsys):
+    """MXFP4 experts (gpt-oss's form): the reference and the kernel only (the other methods index
+    dense weights), each expert's bytes its codes and scales (4.25 bits a weight)."""
+    bench_moe.main(["--shape", "tiny-gpt-oss-mxfp4", "--out", str(tmp_path), "--tokens", "1", "--iterations", "2",
+                    "--repeats", "1", "--layers", "2", "--tunings", '{};{"block_k": 32}'])
+    report = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert {c["method"] for c in report["cells"]} == {"ragged_dot", "pallas", 'pallas {"block_k": 32}'}
+    hidden, width = 64, 32
+    assert report["expert_bytes"] == (3 * hidden * width) * 17 / 32     # 16 bytes of codes + 1 scale per 32
+    assert "mxfp4)" in capsys.readouterr().out
+
+
 def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, capsys):
     """The serving benchmark at the tiny shape: per concurrency a baseline and a DFlash row
     (replayed acceptance: tau near its expectation), each beside the offline engine's tok/s; the
