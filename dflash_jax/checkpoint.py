@@ -259,12 +259,11 @@ def stored_target_config(directory: Path) -> ModelConfig:
 
 
 def _target_source(directory: Path, dtype, progress: bool,
-                   dequantize_experts: bool = False) -> tuple[ModelConfig, Any, Iterator]:
-    """(config, params structure, leaf stream) of an HF target folder of any family; MXFP4
-    experts kept as stored unless ``dequantize_experts``."""
-    config = stored_target_config(directory)
-    if dequantize_experts:
-        config = config.with_dequantized_experts()
+                   config: ModelConfig | None = None) -> tuple[ModelConfig, Any, Iterator]:
+    """(config, params structure, leaf stream) of an HF target folder of any family: ``config``
+    its config as it is to load (the experts' form settled: ``models.load_target``), by default
+    as stored (``stored_target_config``)."""
+    config = config or stored_target_config(directory)
     packed = config.mxfp4_experts
     names = get_family(config.family).names
     tensor_names = [name for name, _, _ in iter_tensors(directory, packed)]
@@ -330,15 +329,16 @@ def _collect(structure, leaves: Iterator, host: bool, place: Place | None = None
 
 
 def load_hf_target(directory: str | Path, dtype=jnp.bfloat16, *, host: bool = False, progress: bool = False,
-                   place: Place | None = None, dequantize_experts: bool = False) -> tuple[ModelConfig, TargetParams]:
+                   place: Place | None = None, config: ModelConfig | None = None) -> tuple[ModelConfig, TargetParams]:
     """Load an HF target folder of any supported family (single file or sharded; any float
-    dtype) as ``dtype`` params; MXFP4 experts stay MXFP4 unless ``dequantize_experts``.
+    dtype) as ``dtype`` params, as ``config`` (default: the folder's as stored; with its MXFP4
+    experts dequantised, they are dequantised as they are read).
 
     ``host=True`` keeps numpy leaves; ``progress`` shows a tqdm bar over tensors on stderr;
     ``place(key path, host array)`` puts each leaf where it goes as it is read (default: the
     default device).
     """
-    config, structure, leaves = _target_source(Path(directory), dtype, progress, dequantize_experts)
+    config, structure, leaves = _target_source(Path(directory), dtype, progress, config)
     return config, _collect(structure, leaves, host, place)
 
 

@@ -119,18 +119,27 @@ def _dense_bytes(config: ModelConfig, dtype, tp: int) -> float:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / tp
 
 
+def _auto_choice(config: ModelConfig, dtype, tp: int) -> tuple[bool, str]:
+    """("auto"'s choice for ``dequantizes_experts``, the line that says why)."""
+    limit, dense = device_memory(), _dense_bytes(config, dtype, tp)
+    dequantize = limit is None or dense <= DEQUANTIZED_SHARE * limit
+    room = "" if limit is None else f" of the {limit / 1e9:.0f} GB JAX may use on a device"
+    return dequantize, (f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize else 'kept in MXFP4'}"
+                        f" (dequantised, the params take {dense / 1e9:.1f} GB a device{room}; --mxfp4-experts "
+                        "keep|dequantize chooses)")
+
+
 def dequantizes_experts(config: ModelConfig, dtype, mode: str, tp: int = 1) -> bool:
-    """Whether a target of ``config`` (as stored: ``checkpoint.stored_target_config``) loads its MXFP4 experts
-    dequantised to ``dtype`` over ``tp`` devices: as ``mode`` says, or for "auto" whenever the
-    dequantised params fit ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device (so on a
-    CPU, which reports none): on an H200 the bf16 experts decode faster than the MXFP4 kernel does
-    (``benchmarks/RESULTS.md``); kept in MXFP4, gpt-oss-120b fits one GPU."""
+    """Whether a target of ``config`` (as stored: ``checkpoint.stored_target_config``) loads its
+    MXFP4 experts dequantised to ``dtype`` over ``tp`` devices: as ``mode`` says, or for "auto"
+    whenever the dequantised params fit ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device
+    (so on a CPU, which reports none): on an H200 the bf16 experts decode faster than the MXFP4
+    kernel does (``benchmarks/RESULTS.md``); kept in MXFP4, gpt-oss-120b fits one GPU."""
     if mode not in MXFP4_EXPERTS:
         raise ValueError(f"mxfp4_experts must be one of {MXFP4_EXPERTS}, got {mode!r}")
     if not config.mxfp4_experts or mode != "auto":
         return config.mxfp4_experts and mode == "dequantize"
-    limit = device_memory()
-    return limit is None or _dense_bytes(config, dtype, tp) <= DEQUANTIZED_SHARE * limit
+    return _auto_choice(config, dtype, tp)[0]
 
 
 def loaded_config(path: str | Path, dtype="bfloat16", mxfp4_experts: str = "auto", tp: int = 1) -> ModelConfig:
@@ -158,13 +167,11 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
     if mxfp4_experts == "keep" and not config.mxfp4_experts and load_target_config(path).mxfp4_experts:
         raise ValueError(f"{path} stores its experts dequantised (its config.json says mxfp4): they cannot be kept "
                          "in MXFP4; convert the released checkpoint again, or take --mxfp4-experts dequantize")
-    dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tp)
     if mxfp4_experts == "auto" and config.mxfp4_experts:
-        limit = device_memory()
-        room = "" if limit is None else f" of the {limit / 1e9:.0f} GB JAX may use on a device"
-        print(f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize_experts else 'kept in MXFP4'}"
-              f" (dequantised, the params take {_dense_bytes(config, dtype, tp) / 1e9:.1f} GB a device{room}; "
-              "--mxfp4-experts keep|dequantize chooses)", file=sys.stderr)
+        dequantize_experts, why = _auto_choice(config, dtype, tp)
+        print(why, file=sys.stderr)
+    else:
+        dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tp)
     stored = config
     if dequantize_experts:
         config = config.with_dequantized_experts()
@@ -176,8 +183,8 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
     init = lambda: init_target_params(config, jax.random.key(0), dtype)  # noqa: E731
     place = (None if layout is None else _placer(layout(jax.eval_shape(init)), tensor_parallel))
     if checkpoint.is_converted(path) and stored.mxfp4_experts and dequantize_experts:
-        # the folder holds the codes: each weight dequantised on the host as its layer is read
-        checkpoint.read_marker(path, "target")
+        # the folder holds the codes (its marker, read above, says so): each weight dequantised on
+        # the host as its layer is read
         abstract = jax.eval_shape(lambda: init_target_params(stored, jax.random.key(0), dtype))
         on_device = place or (lambda _, array: jax.device_put(array))
         params = checkpoint.restore_params(path, abstract, progress=progress,
@@ -186,8 +193,7 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
     if checkpoint.is_converted(path):
         params = _restore_converted(path, "target", init, progress, layout, tensor_parallel)
         return Target(config, params, path, tensor_parallel)
-    config, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place,
-                                               dequantize_experts=dequantize_experts)
+    _, params = checkpoint.load_hf_target(path, dtype, progress=progress, place=place, config=config)
     return Target(config, params, path, tensor_parallel)
 
 
