@@ -51,6 +51,31 @@ def init_selector(spec: SelectorSpec, vocab: int, hidden: int, key: jax.Array, d
                           hidden_projection=normal(keys[2], (hidden, spec.rank), dtype, scale))
 
 
+TOP_K_CHUNK = 128  # vocabulary columns per chunk (see chunked_top_k)
+
+
+def chunked_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` of x [..., V], the same values and indices (ties to the lower index),
+    through short rows: the columns in chunks, the k chunks of the largest maxima (ties to the
+    lower chunk), in chunk order, then the best k of their columns. Exact: an element among the
+    best k has fewer than k elements before it, so fewer than k chunks whose maximum comes
+    before it, and its own chunk is among the k taken. XLA's GPU top k runs one program per
+    row: a block's 16 rows of 151,936 columns take 0.32 ms on an H200, their 16 rows of 1,187
+    chunk maxima and of 16 x 128 columns a small part of that. Columns past V (the last chunk's
+    padding) are -inf, behind every real column of equal value."""
+    vocab = x.shape[-1]
+    chunks = -(-vocab // chunk)
+    if chunks <= k:
+        return jax.lax.top_k(x, k)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, chunks * chunk - vocab)], constant_values=-jnp.inf)
+    padded = padded.reshape(*x.shape[:-1], chunks, chunk)
+    _, taken = jax.lax.top_k(padded.max(axis=-1), k)
+    taken = jnp.sort(taken, axis=-1)                                                   # [..., k] in id order
+    columns = jnp.take_along_axis(padded, taken[..., None], axis=-2).reshape(*x.shape[:-1], k * chunk)
+    values, best = jax.lax.top_k(columns, k)
+    return values, jnp.take_along_axis(taken, best // chunk, axis=-1) * chunk + best % chunk
+
+
 def top_candidates(logits: jax.Array, top_k: int, vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """(logits [..., k] f32 in descending order, their token ids [..., k]) of the ``top_k`` best of
     logits [..., V], or with ``vocab_axis`` of the vocabulary's column shards [..., V_local]: each
@@ -59,7 +84,7 @@ def top_candidates(logits: jax.Array, top_k: int, vocab_axis: str | None = None)
     vocab = logits.shape[-1] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
     if vocab < top_k:
         raise ConfigError(f"selector_top_k {top_k} exceeds the vocabulary {vocab}")
-    unary, ids = jax.lax.top_k(logits.astype(jnp.float32), min(top_k, logits.shape[-1]))
+    unary, ids = chunked_top_k(logits.astype(jnp.float32), min(top_k, logits.shape[-1]))
     if vocab_axis is None:
         return unary, ids
     ids = ids + jax.lax.axis_index(vocab_axis) * logits.shape[-1]

@@ -89,6 +89,21 @@ def test_greedy_selector_path_equals_the_references():
     assert differs
 
 
+@pytest.mark.parametrize("vocab,chunk,k", [(1000, 16, 8), (1024, 32, 5), (300, 8, 16), (160, 4, 16), (97, 128, 4)])
+def test_chunked_top_k_equals_one_rounds(vocab, chunk, k):
+    """Values and indices of the chunked top k equal jax.lax.top_k's: many ties (small integer
+    logits: the lower index first, across chunks too), rows all or half -inf, a vocabulary not a
+    multiple of the chunk, chunks smaller than k, and as few chunks as k (one top k)."""
+    rng = np.random.default_rng(vocab + chunk + k)
+    x = rng.integers(-3, 4, (3, 5, vocab)).astype(np.float32)
+    x[0, 0, :] = -np.inf
+    x[1, 2, rng.permutation(vocab)[:vocab // 2]] = -np.inf
+    want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+    values, ids = selector_module.chunked_top_k(jnp.asarray(x), k, chunk)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
 def test_sampled_selector_rows_are_the_tempered_softmax_of_the_scores():
     """At T > 0 each row of q is softmax(score / T) over the k candidates given the token drawn
     before it; a row at T = 0 among sampled ones is one-hot at its best score."""

@@ -493,11 +493,15 @@ def _expert_inputs(rng, case, gate_up_std: float = 0.1):
     return x, experts, weights, gate_up, down
 
 
+@pytest.mark.parametrize("split_k", [None, 3], ids=["one-share", "three-shares"])
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_routed_experts(case, interpret, check):
+def test_routed_experts(case, split_k, interpret, check):
+    """The rule's reduction shares (dense weights: one, the SwiGLU in the kernel) and three, summed
+    after the kernels (ragged: 64/16 steps in shares of 2; 16/16 in shares of 1 leave one empty)."""
     dtype, block_m = DTYPES[case[0]], case[6]
     x, experts, weights, gate_up, down = _expert_inputs(_rng("experts", case), case)
-    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
+    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m,
+                            split_k=split_k)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
@@ -549,7 +553,8 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
     zero_weighted = pk.routed_experts_reference(x, jnp.asarray(routed, jnp.int32),
                                                 jnp.where(jnp.asarray(skipped), 0, weights).astype(dtype), gate_up, down)
     reference = pk.routed_experts_reference(x, experts, weights, gate_up, down)
-    np.testing.assert_array_equal(np.asarray(reference, np.float32), np.asarray(zero_weighted, np.float32))
+    # (bit-equal on a CPU; a GPU's grouped matmul sums groups of other sizes in another order)
+    check(reference, zero_weighted, dtype)
     out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
     none = pk.routed_experts(x, jnp.full_like(experts, -1), weights, gate_up, down, interpret=interpret,
@@ -560,9 +565,11 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
 # MXFP4 expert weights (gpt-oss): (dtype, tokens, top_k, experts, hidden, expert width, block_m,
 # routing, which weights are MXFP4, variant, tuning); the variant adds gpt-oss's biases and
 # clamped SwiGLU, or marks about half the pairs -1. Hidden 96 and expert width 32 take one scale
-# group per step, the others two or four (or one, by block_k).
+# group per step, the others two or four (or one, by block_k); split_k 1 gates in the kernel.
 MXFP4_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random", "both", "plain", {}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"split_k": 1}),
+               ("bf16", 3, 4, 8, 256, 64, 16, "random", "both", "skip", {"split_k": 3, "block_k": 32}),
                ("f32", 17, 2, 4, 64, 32, 16, "one-expert", "gate_up", "plain", {}),
                ("bf16", 33, 4, 8, 128, 64, 32, "skewed", "both", "skip", {"block_k": 32}),
                ("f32", 16, 8, 16, 96, 64, 64, "random", "down", "gpt-oss", {}),
@@ -600,7 +607,7 @@ def test_dequantize_mxfp4_matches_the_checkpoint_decoder(dtype):
     assert np.isinf(np.asarray(out, np.float32)).any() and (np.asarray(out, np.float32) == 0).any()
 
 
-@pytest.mark.parametrize("case", MXFP4_CASES, ids=lambda c: "-".join(map(str, c[:10])))
+@pytest.mark.parametrize("case", MXFP4_CASES, ids=lambda c: "-".join([*map(str, c[:10]), *(f"{k}{v}" for k, v in c[10].items())]))
 def test_routed_experts_mxfp4(case, interpret, check):
     """MXFP4 weights decoded in the kernels' weight loads: the kernel equals the reference, which
     dequantises them first; pairs of expert -1 add nothing, and a call of only such pairs gives 0."""
@@ -629,6 +636,17 @@ def test_routed_experts_mxfp4(case, interpret, check):
         none = pk.routed_experts(x, jnp.full_like(experts, -1), *args[2:], interpret=interpret, block_m=block_m,
                                  **tuning)
         np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
+
+
+def test_reduction_splits_fill_the_sms_for_mxfp4_decode_only():
+    """gpt-oss-20b's gate|up at one token (4 experts x 45 column blocks, 45 steps): 5 shares, 900
+    programs for 132 SMs; 8 tokens (~21 experts): 1; dense weights: always 1; never more shares
+    than steps."""
+    from pallas_kernels.routed_experts import reduction_splits
+    assert reduction_splits(4, 32, 45, 45, 132, mxfp4=True) == 5
+    assert reduction_splits(32, 32, 45, 45, 132, mxfp4=True) == 1
+    assert reduction_splits(4, 32, 45, 45, 132, mxfp4=False) == 1
+    assert reduction_splits(1, 8, 1, 3, 132, mxfp4=True) == 3
 
 
 def test_mxfp4_reference_tells_the_nibbles_and_the_scales_apart():
