@@ -62,7 +62,8 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.A
     before it, and its own chunk is among the k taken. XLA's GPU top k runs one program per
     row: a block's 16 rows of 151,936 columns take 0.32 ms on an H200, their 16 rows of 1,187
     chunk maxima and of 16 x 128 columns a small part of that. Columns past V (the last chunk's
-    padding) are -inf, behind every real column of equal value."""
+    padding) are -inf, behind every real column of equal value. (A chunk's maximum does not tell
+    -0 from +0: a tie between zeros of opposite sign may go to a lower index than top_k's.)"""
     vocab = x.shape[-1]
     chunks = -(-vocab // chunk)
     if chunks <= k:

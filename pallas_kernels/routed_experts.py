@@ -232,12 +232,13 @@ def _products(load_x, w_ref, e, k0, n0s, block_n: int, block_k: int, dot, inline
 
 
 def _split_steps(total: int, splits: int, live):
-    """(first step, steps) of this program's share (program axis 2) of ``total`` reduction steps in
-    ``splits`` shares; no steps where ``live`` is false (a tile with no rows streams nothing: a
-    product, not a select, as Triton wants an i32 loop bound)."""
-    per = -(-total // splits)
-    first = pl.program_id(2) * per
-    return first, jnp.clip(total - first, 0, per) * live.astype(jnp.int32)
+    """(first step, steps) of this program's share (program axis 2) of ``total`` reduction steps
+    split as evenly as they go (``splits`` <= ``total``: no share empty); no steps where ``live``
+    is false (a tile with no rows streams nothing: a product, not a select, as Triton wants an
+    i32 loop bound)."""
+    split = pl.program_id(2)
+    first = split * total // splits
+    return first, ((split + 1) * total // splits - first) * live.astype(jnp.int32)
 
 
 def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, block_m: int, block_n: int,
@@ -315,7 +316,7 @@ def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, bl
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     if bias_ref:
         bias = plgpu.load(bias_ref[0].at[e, pl.ds(n0, block_n)]).astype(jnp.float32)[None, :]
-        acc = acc + bias * (split == 0).astype(jnp.float32)
+        acc = acc + jnp.where(split == 0, bias, 0.0)
     weight = plgpu.load(weights_ref.at[jnp.where(valid, pair, 0)], mask=valid, other=0).astype(jnp.float32)
     cols = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     row = jnp.where(valid, split * pairs + pair, out_ref.shape[0])
@@ -379,9 +380,9 @@ def reduction_splits(pairs: int, num_experts: int, column_blocks: int, steps: in
                      mxfp4: bool) -> int:
     """Shares of the reduction per (tile, column block), each its own program. An MXFP4 weight's
     step streams a quarter of bf16's bytes and decodes them before its products: with few tiles
-    (decode and verify: one token's 4 experts x 45 column blocks make 180 programs for 132 SMs)
+    (decode: one token's 4 experts x 45 column blocks make 180 programs for 132 SMs)
     too few loads are in flight to keep up with the memory, so the shares make up to
-    ``PROGRAMS_PER_SM`` programs an SM (2.3x faster at one gpt-oss-20b token). Dense weights
+    ``PROGRAMS_PER_SM`` programs an SM (1.8x faster at one gpt-oss-20b token). Dense weights
     take one share: their steps are pipelined and measured no faster split
     (benchmarks/RESULTS.md, session 28). Each extra share writes and reads back f32 sums."""
     if not mxfp4:
@@ -422,7 +423,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     rows, tile_expert = expert_tiles(experts.astype(jnp.int32), num_experts, block_m)
     num_tiles = tile_expert.shape[0]
 
-    def call(kernel, operands, out_cols, reduce, name, weight, weight_tiles, out_dtype, splits_out=False):
+    def call(kernel, operands, out_cols, reduce, name, weight, weight_tiles, out_dtype):
         mxfp4 = isinstance(weight, Mxfp4Weight)
         bn = block_n or _largest_divisor(weight.shape[2] // weight_tiles, (64, 32, 16))
         bk = block_k or _largest_divisor(reduce, (128, 64, 32, 16))

@@ -493,15 +493,14 @@ def _expert_inputs(rng, case, gate_up_std: float = 0.1):
     return x, experts, weights, gate_up, down
 
 
-@pytest.mark.parametrize("split_k", [None, 3], ids=["one-share", "three-shares"])
+@pytest.mark.parametrize("tuning", [{}, {"split_k": 3, "block_k": 16}], ids=["one-share", "three-shares"])
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_routed_experts(case, split_k, interpret, check):
-    """The rule's reduction shares (dense weights: one, the SwiGLU in the kernel) and three, summed
-    after the kernels (ragged: 64/16 steps in shares of 2; 16/16 in shares of 1 leave one empty)."""
+def test_routed_experts(case, tuning, interpret, check):
+    """The rule's reduction shares (dense weights: one, the SwiGLU in the kernel) and three of
+    16-dim steps, summed after the kernels (ragged: 4 steps as 1 + 1 + 2, 2 steps as 2 shares)."""
     dtype, block_m = DTYPES[case[0]], case[6]
     x, experts, weights, gate_up, down = _expert_inputs(_rng("experts", case), case)
-    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m,
-                            split_k=split_k)
+    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m, **tuning)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
@@ -565,11 +564,13 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
 # MXFP4 expert weights (gpt-oss): (dtype, tokens, top_k, experts, hidden, expert width, block_m,
 # routing, which weights are MXFP4, variant, tuning); the variant adds gpt-oss's biases and
 # clamped SwiGLU, or marks about half the pairs -1. Hidden 96 and expert width 32 take one scale
-# group per step, the others two or four (or one, by block_k); split_k 1 gates in the kernel.
+# group per step, the others two or four (or one, by block_k). One token's block_k 32: the rule's
+# 4 gate|up and 2 down shares (the down bias added once), or one share (gated in the kernel).
 MXFP4_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random", "both", "plain", {}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {}),
-               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"split_k": 1}),
-               ("bf16", 3, 4, 8, 256, 64, 16, "random", "both", "skip", {"split_k": 3, "block_k": 32}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32, "split_k": 1}),
+               ("bf16", 3, 4, 8, 256, 96, 16, "random", "both", "skip", {"split_k": 3, "block_k": 32}),
                ("f32", 17, 2, 4, 64, 32, 16, "one-expert", "gate_up", "plain", {}),
                ("bf16", 33, 4, 8, 128, 64, 32, "skewed", "both", "skip", {"block_k": 32}),
                ("f32", 16, 8, 16, 96, 64, 64, "random", "down", "gpt-oss", {}),
