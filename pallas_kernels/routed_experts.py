@@ -14,8 +14,9 @@ silu(x W_gate) * (x W_up) for every tile (gathering the tile's token rows of x),
 order, the other the down projection times the routing weight (gathering the tile's pairs' rows
 of that), in pair order too; XLA sums each token's k rows. A tile with no rows streams nothing.
 Either kernel may split its reduction into shares, each its own program, whose f32 sums XLA adds
-(then biases and gates, for gate|up): how an MXFP4 weight fills the GPU at decode. At one token (decode) the 8 routed experts are 8
-tiles of one row each: the weights are read once, as a matrix-vector product must.
+(then biases and gates, for gate|up): how an MXFP4 weight fills the GPU at decode. At one token
+(decode) the 8 routed experts are 8 tiles of one row each: the weights are read once, as a
+matrix-vector product must.
 
 An expert id of -1 marks a pair this call does not run (under expert parallelism, a pair routed
 to an expert another device holds): it adds 0, takes no row of any tile and reads nothing.

@@ -608,7 +608,8 @@ def test_dequantize_mxfp4_matches_the_checkpoint_decoder(dtype):
     assert np.isinf(np.asarray(out, np.float32)).any() and (np.asarray(out, np.float32) == 0).any()
 
 
-@pytest.mark.parametrize("case", MXFP4_CASES, ids=lambda c: "-".join([*map(str, c[:10]), *(f"{k}{v}" for k, v in c[10].items())]))
+@pytest.mark.parametrize("case", MXFP4_CASES,
+                         ids=lambda c: "-".join([*map(str, c[:10]), *(f"{k}{v}" for k, v in c[10].items())]))
 def test_routed_experts_mxfp4(case, interpret, check):
     """MXFP4 weights decoded in the kernels' weight loads: the kernel equals the reference, which
     dequantises them first; pairs of expert -1 add nothing, and a call of only such pairs gives 0."""
