@@ -33,7 +33,8 @@ from dflash_jax.config import ModelConfig, load_draft_config, load_target_config
 from dflash_jax.engine import Engine, RequestOutput, RequestParams, compile_seconds
 from dflash_jax.decode import (DecodeState, LoopConfig, bucket, check_steps_per_check, decode_chunk,
                                default_steps_per_check, prefill, state_specs)
-from dflash_jax.models import DTYPES, MXFP4_EXPERTS, Draft, Target, load_draft, load_target, loaded_config
+from dflash_jax.models import (DTYPES, MXFP4_EXPERTS, MXFP4_EXPERTS_HELP, Draft, Target, load_draft, load_target,
+                               loaded_config)
 from dflash_jax.ops import check_kernel_shapes
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.sharding import (TensorParallel, cache_specs, local_config, local_draft_config, make_mesh, named,
@@ -586,9 +587,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --tp: deal a MoE target's routed experts out whole (num_experts / N a device) "
                         "instead of splitting every expert's width")
     p.add_argument("--mxfp4-experts", choices=MXFP4_EXPERTS, default="auto",
-                   help="how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
-                        "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster decode on "
-                        "an H200), auto (dequantize where that fits 80%% of a device's memory for JAX)")
+                   help=MXFP4_EXPERTS_HELP)
     # Each chunk costs ~2.4 ms of host round trip at Qwen3-8B on an H200 (the GPU idles): 13%
     # of the step time at 4 steps per chunk, 4% at 16, which still streams ~10 updates a second.
     p.add_argument("--chunk-steps", type=int, default=16,

@@ -22,6 +22,9 @@ MXFP4_EXPERTS = ("auto", "keep", "dequantize")
 # auto dequantises while the dequantised params take at most this share of the memory JAX may use
 # on a device (the rest for the KV cache and activations)
 DEQUANTIZED_SHARE = 0.8
+MXFP4_EXPERTS_HELP = ("how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
+                      "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster DFlash "
+                      "steps), auto (dequantize where that fits 80%% of a device's memory for JAX)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +136,9 @@ def dequantizes_experts(config: ModelConfig, dtype, mode: str, tp: int = 1) -> b
     """Whether a target of ``config`` (as stored: ``checkpoint.stored_target_config``) loads its
     MXFP4 experts dequantised to ``dtype`` over ``tp`` devices: as ``mode`` says, or for "auto"
     whenever the dequantised params fit ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device
-    (so on a CPU, which reports none): on an H200 the bf16 experts decode faster than the MXFP4
-    kernel does (``benchmarks/RESULTS.md``); kept in MXFP4, gpt-oss-120b fits one GPU."""
+    (so on a CPU, which reports none): DFlash steps (verifies of several tokens) run faster with
+    bf16 experts than through the MXFP4 kernel, though one decoded token is faster in MXFP4
+    (``benchmarks/RESULTS.md``, session 28); kept in MXFP4, gpt-oss-120b fits one GPU."""
     if mode not in MXFP4_EXPERTS:
         raise ValueError(f"mxfp4_experts must be one of {MXFP4_EXPERTS}, got {mode!r}")
     if not config.mxfp4_experts or mode != "auto":

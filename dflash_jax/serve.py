@@ -21,7 +21,7 @@ from dflash_jax.cli import (COMPILE_CACHE_HELP, DefaultsHelpFormatter, at_least,
                             one_line_warnings, positive_float)
 from dflash_jax.config import load_draft_config, load_target_config
 from dflash_jax.engine import Engine
-from dflash_jax.models import DTYPES, MXFP4_EXPERTS, load_draft, load_target
+from dflash_jax.models import DTYPES, MXFP4_EXPERTS, MXFP4_EXPERTS_HELP, load_draft, load_target
 from dflash_jax.sharding import TensorParallel, make_mesh
 from dflash_jax.tokenizer import Tokenizer
 
@@ -55,9 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: a MoE target's experts dealt out whole instead of split by width")
     p.add_argument("--mxfp4-experts", choices=MXFP4_EXPERTS, default="auto",
-                   help="how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
-                        "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster decode on "
-                        "an H200), auto (dequantize where that fits 80%% of a device's memory for JAX)")
+                   help=MXFP4_EXPERTS_HELP)
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of requests that give none")
     p.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                    help="seconds running requests get to finish after SIGTERM")
