@@ -26,7 +26,7 @@ from bench_e2e import run_loop  # noqa: E402
 from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
                     positive_int, random_models, require_gpu, run_record, write_json)
 
-from dflash_jax import ops  # noqa: E402
+from dflash_jax.model import ops  # noqa: E402
 
 
 def parse_cases(spec: str) -> list[tuple[int, int, int]]:

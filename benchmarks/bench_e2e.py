@@ -48,15 +48,15 @@ from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_op
                     override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
                     require_gpu, run_record, write_json)
 
-from dflash_jax import draft as draft_model  # noqa: E402
-from dflash_jax import target as target_model  # noqa: E402
-from dflash_jax.cache import state_bytes_per_sequence  # noqa: E402
-from dflash_jax.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs, reported_as_errors  # noqa: E402
-from dflash_jax.decode import default_steps_per_check  # noqa: E402
-from dflash_jax.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
-from dflash_jax.models import Draft, Target  # noqa: E402
-from dflash_jax.nn.moe import MoESpec  # noqa: E402
-from dflash_jax.sharding import TensorParallel, make_mesh  # noqa: E402
+from dflash_jax.model import draft as draft_model  # noqa: E402
+from dflash_jax.model import target as target_model  # noqa: E402
+from dflash_jax.model.cache import state_bytes_per_sequence  # noqa: E402
+from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs, reported_as_errors  # noqa: E402
+from dflash_jax.runtime.decode import default_steps_per_check  # noqa: E402
+from dflash_jax.entrypoints.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
+from dflash_jax.loading.models import Draft, Target  # noqa: E402
+from dflash_jax.model.nn.moe import MoESpec  # noqa: E402
+from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 
 SECTIONS = ("decode", "parts", "e2e")
@@ -122,7 +122,7 @@ class Roofline:
     step is its three parts: draft, verify and commit. A MoE layer reads only its routed experts:
     ``expected_experts`` of them for the tokens of the pass, each token computing top_k. A hybrid's
     Gated DeltaNet states count once read and once written per step (the floor; the rollback
-    reads them once more: ``dflash_jax.cache``). Split over ``shards`` devices (tensor
+    reads them once more: ``dflash_jax.model.cache``). Split over ``shards`` devices (tensor
     parallelism) the floor is one device's share: split weights, KV, states and FLOPs divided by
     the shards (the draft's by ``draft_shards``: 1 when it is replicated), at one device's
     ceilings, plus each pass's all-reduces at ``allreduce_seconds(rows)`` (measured in the same

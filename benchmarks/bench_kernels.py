@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from dflash_jax.nn import rope
-from dflash_jax.nn.rope import RopeSpec
+from dflash_jax.model.nn import rope
+from dflash_jax.model.nn.rope import RopeSpec
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (CEILING_SIZES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
@@ -254,7 +254,7 @@ def run_rows(cache: Cache, log) -> list[dict]:
 # "verify@T" verifies T tokens per sequence (plain "verify" uses BLOCK). Fourth round (H200,
 # 2026-11-22): the full-batch cells of the end-to-end runs, block-8 verify (32-row programs) and
 # decode (16-row programs), on 64-token KV tiles that leave room for two or three programs per
-# SM; none beat the rule by more than the noise. Earlier rounds (8 warps, 32-row programs for
+# SM; none beat the rule by more than the noise. Earlier sweeps (8 warps, 32-row programs for
 # block 16, 2-4 stages, 64-token tiles for block 16 at bs 8 and 32) are in benchmarks/RESULTS.md.
 _SMALL_TILE_VARIANTS = [{"pages_per_block": 4, "num_stages": 3}, {"pages_per_block": 4, "num_stages": 2},
                         {"pages_per_block": 4, "num_stages": 4}, {"pages_per_block": 8, "num_stages": 2}]

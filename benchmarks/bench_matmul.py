@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
                     output_dir, positive_ints, require_gpu, run_record, tuning_sets, write_json)
 
-from dflash_jax.config import ModelConfig  # noqa: E402
-from dflash_jax.nn.mlp import MLPSpec  # noqa: E402
+from dflash_jax.model.config import ModelConfig  # noqa: E402
+from dflash_jax.model.nn.mlp import MLPSpec  # noqa: E402
 from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference, matmul_blocks  # noqa: E402
 from pallas_kernels.norm_rope import rms_norm  # noqa: E402
 

@@ -34,7 +34,7 @@ from common import (SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_sec
 from profile_step import kernel_events, summarize  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from dflash_jax.nn.moe import MoESpec, init_moe  # noqa: E402
+from dflash_jax.model.nn.moe import MoESpec, init_moe  # noqa: E402
 from pallas_kernels.routed_experts import TUNING_ARGS  # noqa: E402
 
 METHODS = ("ragged_dot", "pallas", "gather", "dense_loop")

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, acceptance_rate, engine_run_models, output_dir, positive_int, positive_ints,  # noqa: E402
                     random_prompts, run_record, write_json)
 
-from dflash_jax.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
-from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
-from dflash_jax.server import BackgroundServer  # noqa: E402
-from dflash_jax.tokenizer import Tokenizer  # noqa: E402
+from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
+from dflash_jax.runtime.engine import Engine, RequestParams, compile_seconds  # noqa: E402
+from dflash_jax.entrypoints.server import BackgroundServer  # noqa: E402
+from dflash_jax.loading.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "bench"
 

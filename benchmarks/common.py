@@ -19,16 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.cli import at_least
-from dflash_jax.config import DraftConfig, ModelConfig, uniform_config
-from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
-from dflash_jax.nn.dynamic_conv import ConvSpec
-from dflash_jax.nn.moe import MoESpec
-from dflash_jax.nn.rope import RopeSpec
-from dflash_jax.selector import SelectorSpec
-from dflash_jax.models import Draft, Target
-from dflash_jax.params import init_draft_params, init_target_params
-from dflash_jax.sharding import (TensorParallel, draft_layout, local_config, local_draft_config, named, specs,
+from dflash_jax.entrypoints.cli import at_least
+from dflash_jax.model.hf_config import target_config_from_hf
+from dflash_jax.model.config import DraftConfig, ModelConfig, uniform_config
+from dflash_jax.model.nn.gated_deltanet import GatedDeltaNetSpec
+from dflash_jax.model.nn.dynamic_conv import ConvSpec
+from dflash_jax.model.nn.moe import MoESpec
+from dflash_jax.model.nn.rope import RopeSpec
+from dflash_jax.model.selector import SelectorSpec
+from dflash_jax.loading.models import Draft, Target
+from dflash_jax.model.params import init_draft_params, init_target_params
+from dflash_jax.model.sharding import (TensorParallel, draft_layout, local_config, local_draft_config, named, specs,
                                  target_layout)
 
 QWEN3_8B = uniform_config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -98,7 +99,7 @@ DFLASH_DRAFT_35_35B_A3B = DraftConfig(
 
 
 def gpt_oss_shape(**fields) -> ModelConfig:
-    return ModelConfig.from_hf({"architectures": ["GptOssForCausalLM"], "max_position_embeddings": 131072,
+    return target_config_from_hf({"architectures": ["GptOssForCausalLM"], "max_position_embeddings": 131072,
                                 **fields}, "a gpt-oss benchmark shape")
 
 
@@ -244,7 +245,7 @@ def output_dir(text: str) -> Path:
 
 def auto_kernel_overrides(text: str) -> dict[str, bool]:
     """``OP=on|off,...`` for ``ops.AUTO_KERNELS`` (what impl="auto" runs as a kernel)."""
-    from dflash_jax import ops
+    from dflash_jax.model import ops
     overrides = {}
     for item in filter(None, text.split(",")):
         op, _, value = item.partition("=")
@@ -298,7 +299,7 @@ def add_auto_kernels_option(parser: argparse.ArgumentParser) -> None:
 def override_auto_kernels(overrides: dict[str, bool]) -> dict:
     """Apply ``auto_kernel_overrides`` to ``ops.AUTO_KERNELS`` for this process (A/B runs);
     returns the table in force."""
-    from dflash_jax import ops
+    from dflash_jax.model import ops
     ops.AUTO_KERNELS.update(overrides)
     return dict(ops.AUTO_KERNELS)
 
@@ -385,7 +386,7 @@ def require_gpu(shape: str) -> None:
 def engine_run_models(args: argparse.Namespace) -> tuple[Target, Draft]:
     """The setup of an engine benchmark (``--shape``, ``--compile-cache``, ``--out``): a GPU unless
     the shape is tiny, compiled programs kept, the output folder made; its random models."""
-    from dflash_jax.cli import keep_compiled_programs
+    from dflash_jax.entrypoints.cli import keep_compiled_programs
 
     require_gpu(args.shape)
     keep_compiled_programs(args.compile_cache)

@@ -23,9 +23,9 @@ from bench_serving import word_tokenizer  # noqa: E402
 from common import (SHAPES, acceptance_rate, engine_run_models, output_dir, positive_int, positive_ints,  # noqa: E402
                     random_prompts, run_record, write_json)
 
-from dflash_jax import engine as engine_module  # noqa: E402
-from dflash_jax.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
-from dflash_jax.engine import Engine, RequestParams, compile_seconds  # noqa: E402
+from dflash_jax.runtime.engine import device as engine_module  # noqa: E402
+from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
+from dflash_jax.runtime.engine import Engine, RequestParams, compile_seconds  # noqa: E402
 
 PROGRAMS = ("prefill_slots", "engine_chunk", "admit_slots", "set_page_rows", "release_slots")
 

@@ -29,10 +29,10 @@ from common import (SHAPES, acceptance_rate, add_auto_kernels_option, check_bloc
                     names_from, output_dir, override_auto_kernels, positive_int, random_models, random_prompts,
                     require_gpu, run_record, write_json)
 
-from dflash_jax.ops import IMPLS  # noqa: E402
-from dflash_jax.cli import at_least  # noqa: E402
-from dflash_jax.generate import prepare  # noqa: E402
-from dflash_jax.sharding import TensorParallel, make_mesh  # noqa: E402
+from dflash_jax.model.ops import IMPLS  # noqa: E402
+from dflash_jax.entrypoints.cli import at_least  # noqa: E402
+from dflash_jax.entrypoints.generate import prepare  # noqa: E402
+from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
 
 
 MODES = ("decode", "dflash")

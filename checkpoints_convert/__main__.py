@@ -13,8 +13,8 @@ import signal
 import sys
 
 from checkpoints_convert.convert import convert
-from dflash_jax.cli import INTERRUPTED, DefaultsHelpFormatter, exit_with, one_line_warnings
-from dflash_jax.models import DTYPES
+from dflash_jax.entrypoints.cli import INTERRUPTED, DefaultsHelpFormatter, exit_with, one_line_warnings
+from dflash_jax.loading.models import DTYPES
 
 
 def _interrupt(signum, frame):

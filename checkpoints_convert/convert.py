@@ -17,10 +17,11 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-from dflash_jax import checkpoint
-from dflash_jax.cli import deferred_interrupts
-from dflash_jax.config import is_draft_config, read_config_json
-from dflash_jax.models import DTYPES
+from dflash_jax.loading import checkpoint
+from dflash_jax.entrypoints.cli import deferred_interrupts
+from dflash_jax.model.config import read_config_json
+from dflash_jax.model.hf_config import is_draft_config
+from dflash_jax.loading.models import DTYPES
 
 # Files copied next to the converted weights when the source has them.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -147,7 +148,7 @@ def _until(interrupted, leaves):
 def convert(src: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,
             progress: bool = True) -> Path:
     """Convert the HF folder ``src`` (a target of any supported family, or a DFlash draft in z-lab or speculators
-    format, told apart by its config.json) into ``out``, which ``dflash_jax.models.load_target``
+    format, told apart by its config.json) into ``out``, which ``dflash_jax.loading.models.load_target``
     / ``load_draft`` then read. Floats are stored as ``dtype``, which config.json states. Raises ConfigError or
     CheckpointError (naming the field or tensor) when config and weights disagree, and
     FileExistsError when ``out`` exists and not ``overwrite``; a failed conversion leaves nothing.

@@ -5,7 +5,7 @@ A release is written without its vision tower (never loaded here): transformers 
 tensors are missing and initialises them.
 
 Used to hand a draft trained here to the PyTorch ecosystem. Tensor names and config fields come
-from the family tables (``dflash_jax.families``), the same ones the loaders read. Weights are written
+from the family tables (``dflash_jax.model.families``), the same ones the loaders read. Weights are written
 shard by shard (torch ``[out, in]`` layout, safetensors), so memory beyond the params stays
 below one shard; the folder appears atomically.
 
@@ -26,12 +26,12 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from checkpoints_convert.convert import SIDE_FILES, atomic_output
-from dflash_jax import families
-from dflash_jax.checkpoint import HFTensor, hf_tensors
-from dflash_jax.config import DraftConfig, ModelConfig
-from dflash_jax.families.tensors import draft_slots, target_slots
-from dflash_jax.models import DTYPES
-from dflash_jax.params import DraftParams, TargetParams
+from dflash_jax.model import families
+from dflash_jax.loading.checkpoint import HFTensor, hf_tensors
+from dflash_jax.model.config import DraftConfig, ModelConfig
+from dflash_jax.model.families.tensors import draft_slots, target_slots
+from dflash_jax.loading.models import DTYPES
+from dflash_jax.model.params import DraftParams, TargetParams
 
 _HEADER_BYTES = 128  # safetensors header allowance per tensor (besides its name), for shard sizing
 DEFAULT_MAX_SHARD_MB = 5000  # as transformers' save_pretrained (5 GB shards)

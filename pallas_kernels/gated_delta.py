@@ -33,7 +33,7 @@ Every decay is e^x with x <= 0 (no division by a decay); rows past T load as zer
 they change nothing) and are never stored. f32 products are exact f32 in interpret mode and three
 TF32 tensor-core passes on the GPU (f32-level accuracy; exact f32 FMA dots made a first,
 single-kernel version of the chunked path 3x or more slower).
-Measurements and the tuning defaults' reasons: ``benchmarks/RESULTS.md`` (session 23).
+Measurements and the tuning defaults' reasons: ``benchmarks/RESULTS.md`` (Qwen3.5 hybrids, 2026-11-27).
 """
 
 from __future__ import annotations

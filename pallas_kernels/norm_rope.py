@@ -3,7 +3,7 @@
 Math follows transformers: RMSNorm in f32, cast back, times the weight; RoPE in the rotate-half
 layout on the first ``rotary_dim`` dims of a head (the rest pass through), with cos/sin tables
 ``[batch, T, rotary_dim / 2]`` in the input dtype. The tables come from the caller
-(``dflash_jax.nn.rope.tables``: default, llama3 or YaRN frequencies), so the references and the
+(``dflash_jax.model.nn.rope.tables``: default, llama3 or YaRN frequencies), so the references and the
 kernels rotate by exactly the same values. A per-head norm weight of None skips the RMSNorm
 (families without q/k norms, such as LLaMA).
 

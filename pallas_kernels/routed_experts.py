@@ -78,7 +78,7 @@ def _e8m0(scales: jax.Array) -> jax.Array:
 
 def dequantize_mxfp4(w: Mxfp4Weight, dtype) -> jax.Array:
     """The [E, K, N] values of an MXFP4 weight in ``dtype``: code x scale, computed in float32 and
-    exact in float32 and bfloat16 (dflash_jax.mxfp4.dequantize's values bit for bit) for scales in
+    exact in float32 and bfloat16 (dflash_jax.loading.mxfp4.dequantize's values bit for bit) for scales in
     [2, 254]; s = 0 gives zeros and s = 255 infinities/NaNs (see ``_e8m0``; the host's decoder,
     as transformers', scales by 2^-127 and 2^128 there: neither occurs in released weights), and
     float16 overflows or rounds beyond its narrower range."""
@@ -385,7 +385,7 @@ def reduction_splits(pairs: int, num_experts: int, column_blocks: int, steps: in
     too few loads are in flight to keep up with the memory, so the shares make up to
     ``PROGRAMS_PER_SM`` programs an SM (1.8x faster at one gpt-oss-20b token). Dense weights
     take one share: their steps are pipelined and measured no faster split
-    (benchmarks/RESULTS.md, session 28). Each extra share writes and reads back f32 sums."""
+    (benchmarks/RESULTS.md, MXFP4 experts kernel, 2026-11-28). Each extra share writes and reads back f32 sums."""
     if not mxfp4:
         return 1
     programs = min(num_experts, pairs) * column_blocks

@@ -9,7 +9,7 @@ small batch), split ``s`` writes its normalized rows ``o[s]`` and their log2-sum
 and rows that no split saw come out as zeros. The kernel is one launch whose programs each load
 ``block_rows`` rows of every split at once. After an attention kernel, plain XLA needs two to four
 small kernels for the same sum: 3-6 µs per call in #4's 134 MB cells, against 2-3 µs for this
-kernel (benchmarks/RESULTS.md, sessions 13 and 17). XLA still merges small splits, which it fuses
+kernel (benchmarks/RESULTS.md, 2026-11-22 and 2026-11-26). XLA still merges small splits, which it fuses
 with their neighbours (``tuning.attention_blocks`` picks).
 """
 

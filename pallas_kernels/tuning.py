@@ -36,7 +36,7 @@ MAX_SPLITS = 64
 # faster per step at bs 1, ctx 512-1024 (3-5 splits), while from 10 splits, and at bs 8 (2
 # splits of 4096 rows, exactly 2^20 elements at Qwen3-8B shape), the kernel was level or up to
 # 2% faster (means of two rounds); in #4's 134 MB cells it takes 0.3-3.5 µs less per call
-# (benchmarks/RESULTS.md, session 17). 6-9 splits were not measured: 8 lies between the two.
+# (benchmarks/RESULTS.md, split merge, 2026-11-26). 6-9 splits were not measured: 8 lies between the two.
 PALLAS_MERGE_MIN_SPLITS = 8
 PALLAS_MERGE_MIN_ELEMENTS = 1 << 20
 # Shared memory per SM, KB, by CUDA compute capability (CUDA C++ Programming Guide, "Compute

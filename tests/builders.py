@@ -219,7 +219,7 @@ def save_mxfp4_gpt_oss(model, path, seed: int) -> Path:
     from safetensors.numpy import save_file as save_numpy
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from dflash_jax.families.gpt_oss import MXFP4_QUANTIZATION
+    from dflash_jax.model.families.gpt_oss import MXFP4_QUANTIZATION
 
     rng, packed = np.random.default_rng(seed), {}
     for index, layer in enumerate(model.model.layers):
@@ -624,8 +624,8 @@ def speculators_draft_folder(directory: Path, *, draft_vocab: int | None = 64, s
 def train_briefly(target, config, folder: Path, *, vocab: int):
     """Three f32 steps of ``train_draft`` for ``target`` on 16 random rows of 32 token ids below
     ``vocab``, exported to ``folder``; returns what ``train_draft`` returns."""
-    from dflash_jax import data, train_draft
-    from dflash_jax.train_target import OptimConfig
+    from dflash_jax.training import data, train_draft
+    from dflash_jax.training.train_target import OptimConfig
 
     rows = data.TokenRows(np.random.default_rng(0).integers(0, vocab, (16, 32)).astype(np.int32),
                           np.ones((16, 32), bool))

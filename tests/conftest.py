@@ -13,10 +13,20 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# Command lines keep compiled programs under $XDG_CACHE_HOME unless JAX_COMPILATION_CACHE_DIR is
-# set (cli.keep_compiled_programs): the suite's go to a folder of its own, never the user's.
-os.environ["XDG_CACHE_HOME"] = _CACHE_HOME = tempfile.mkdtemp(prefix="dflash-jax-tests-")
-atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    # tiny models run in no time at any level, and XLA:CPU compiles a third faster at level 0
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    # One folder for the run, which pytest-xdist's workers inherit: compiled programs are kept
+    # there (jax's persistent cache, unless JAX_COMPILATION_CACHE_DIR names another folder), so a
+    # program that one test module or worker compiled is read back by the others instead of
+    # compiled again; command lines keep theirs under it too (XDG_CACHE_HOME,
+    # cli.keep_compiled_programs), never in the user's folders. It starts empty: a run is cold.
+    _RUN_FOLDER = tempfile.mkdtemp(prefix="dflash-jax-tests-")
+    atexit.register(shutil.rmtree, _RUN_FOLDER, ignore_errors=True)
+    os.environ["XDG_CACHE_HOME"] = _RUN_FOLDER
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_RUN_FOLDER, "xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -39,7 +49,7 @@ def _release_compiled_programs():
     and Linux caps a process at vm.max_map_count (65530) mappings: the whole suite in one
     process compiles more than that holds, and the compile that crosses it segfaults. Each test
     module's programs are let go when it ends (jax's caches cleared); what a later module needs
-    again is recompiled, or read back from the persistent compilation cache when one is set."""
+    again is read back from the run's persistent compilation cache."""
     yield
     jax.clear_caches()
     gc.collect()
@@ -95,8 +105,8 @@ class ModelPair:
     hf_draft: object
     target_dir: Path
     draft_dir: Path
-    target: object   # dflash_jax.models.Target (f32)
-    draft: object    # dflash_jax.models.Draft (f32)
+    target: object   # dflash_jax.loading.models.Target (f32)
+    draft: object    # dflash_jax.loading.models.Draft (f32)
 
 
 # Architecture shared by the DFlash pairs (same shapes and configs -> compiled loops are reused).
@@ -107,7 +117,7 @@ PAIR_DRAFT = dict(layers=2, block_size=16, target_layer_ids=(0, 1), heads=4, kv_
 
 def _save_and_load(root: Path, hf_target, hf_draft) -> ModelPair:
     from builders import save_draft, save_target
-    from dflash_jax.models import load_draft, load_target
+    from dflash_jax.loading.models import load_draft, load_target
 
     target_dir = save_target(hf_target, root / "target")
     draft_dir = save_draft(hf_draft, root / "draft")

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.cache import OutOfPagesError, PagedKVCache, allocate_pages, init_cache
-from dflash_jax.config import uniform_config
+from dflash_jax.model.cache import OutOfPagesError, PagedKVCache, allocate_pages, init_cache
+from dflash_jax.model.config import uniform_config
 from pallas_kernels import gather_pages, write_pages
 
 TARGET = uniform_config(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4,

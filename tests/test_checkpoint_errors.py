@@ -11,10 +11,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from checkpoints_convert import convert, export_draft, export_target
-from dflash_jax import checkpoint
-from dflash_jax.checkpoint import CheckpointError
-from dflash_jax.config import ConfigError
-from dflash_jax.models import load_draft, load_target
+from dflash_jax.loading import checkpoint
+from dflash_jax.loading.checkpoint import CheckpointError
+from dflash_jax.model.config import ConfigError
+from dflash_jax.loading.models import load_draft, load_target
 from builders import edit_config, speculators_draft_folder, target_folder, zlab_draft_folder
 
 

@@ -27,7 +27,7 @@ def _cli_env(**extra) -> dict:
             "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"], **{k: str(v) for k, v in extra.items()}}
 
 
-def _cli(*args, timeout=300, **env):
+def _cli(*args, timeout=900, **env):
     return subprocess.run([sys.executable, "-m", "dflash_jax.generate", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=_cli_env(**env))
 
@@ -48,7 +48,7 @@ def test_cli_streams_dflash_and_matches_baseline(model_dirs, tmp_path):
 def test_cli_batch_file_and_chat(model_dirs, tmp_path):
     """A .jsonl of a text prompt (one user turn after --system) and a several-turn chat, under --chat:
     rendered through the template, and printed as given."""
-    from dflash_jax.tokenizer import Tokenizer, render_prompts
+    from dflash_jax.loading.tokenizer import Tokenizer, render_prompts
 
     target_dir, _ = model_dirs
     prompts = tmp_path / "prompts.jsonl"
@@ -88,7 +88,7 @@ def test_cli_errors_are_one_line(model_dirs, args, message):
 
 
 def test_cli_without_model_explains_what_to_pass(monkeypatch):
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     monkeypatch.setattr(generate, "DEFAULT_MODEL", ROOT / "no-such-default")
     assert generate.main([]) == 2
@@ -96,19 +96,25 @@ def test_cli_without_model_explains_what_to_pass(monkeypatch):
 
 def test_cli_baseline_names_the_first_difference(model_dirs, monkeypatch, capsys):
     """When the --baseline outputs differ, the CLI says where, and why bf16 can flip a near-tie."""
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     class PlainDiffers(generate.Engine):  # the plain run's third new token changed
-        def _emit(self, request, new, steps, reason):
-            at = 2 - len(request.token_ids)
-            if self.draft is None and 0 <= at < len(new):
-                new = [*new[:at], new[at] ^ 1, *new[at + 1:]]
-            super()._emit(request, new, steps, reason)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            emit = self.output.emit
+
+            def changed(request, new, steps, reason):
+                at = 2 - len(request.token_ids)
+                if self.draft is None and 0 <= at < len(new):
+                    new = [*new[:at], new[at] ^ 1, *new[at + 1:]]
+                emit(request, new, steps, reason)
+
+            self.output.emit = changed
 
     monkeypatch.setattr(generate, "Engine", PlainDiffers)
     target_dir, draft_dir = model_dirs
     assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "6",
-                          "--baseline", "--impl", "reference"]) == 0
+                          "--baseline", "--dtype", "bfloat16", "--impl", "reference"]) == 0
     err = capsys.readouterr().err
     assert "outputs identical: False" in err
     assert ("[compare] first difference: sequence 0, new token 2; in bfloat16 a block verify and a "
@@ -121,8 +127,8 @@ def _reject_nan(constant):
 
 def test_cli_one_new_token_reports_undefined_stats_as_na(model_dirs, tmp_path, capsys):
     """Nothing is decoded after the first token: tau and the speedup are undefined, not errors."""
-    from dflash_jax import generate
-    from dflash_jax.models import load_target
+    from dflash_jax.entrypoints import generate
+    from dflash_jax.loading.models import load_target
 
     target_dir, draft_dir = model_dirs
     stats = tmp_path / "stats.json"
@@ -146,7 +152,7 @@ def _tokenizer_folder(tmp_path, **files):
     """The embedded model's tokenizer.json plus the given side files (name -> text)."""
     import shutil
 
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     shutil.copy(generate.DEFAULT_MODEL / "target" / "tokenizer.json", tmp_path / "tokenizer.json")
     for name, text in files.items():
@@ -156,7 +162,7 @@ def _tokenizer_folder(tmp_path, **files):
 
 def test_tokenizer_side_file_forms(tmp_path):
     """A list of named chat templates (the 'default' one renders), {% break %}, null eos entries."""
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}<{{ m.role }}>"
                 "{{ m.content }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}")
@@ -172,7 +178,7 @@ def test_tokenizer_side_file_forms(tmp_path):
 def test_chat_template_from_a_multimodal_release_s_chat_template_json(tmp_path):
     """A release whose template lives only in chat_template.json (a processor's, as Qwen3.5's
     multimodal releases save it) renders it; tokenizer_config.json's wins where both have one."""
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     folder = _tokenizer_folder(tmp_path, chat_template=json.dumps({"chat_template": "<u>{{ messages[0].content }}"}),
                                tokenizer_config="{}")
@@ -187,7 +193,7 @@ def test_chat_template_generation_tag_and_special_tokens_map(tmp_path):
     (tokenizer_config.json's win where both name one)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {% if m.role == 'assistant' %}"
                 "{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content }}"
@@ -204,7 +210,7 @@ def test_chat_template_generation_tag_and_special_tokens_map(tmp_path):
 def test_tokenizer_stop_tokens_from_special_tokens_map_and_unknown_eos(tmp_path):
     """special_tokens_map.json's eos_token stops generation (transformers reads it); an eos_token
     outside the vocabulary is named in a warning, not dropped silently."""
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     folder = _tokenizer_folder(tmp_path, special_tokens_map='{"eos_token": {"content": "<|endoftext|>"}}')
     assert Tokenizer(folder).stop_token_ids == [Tokenizer(folder)._tok.token_to_id("<|endoftext|>")]
@@ -215,7 +221,7 @@ def test_tokenizer_stop_tokens_from_special_tokens_map_and_unknown_eos(tmp_path)
 
 
 def test_chat_template_thinking_switch_and_message_checks(tmp_path):
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     folder = _tokenizer_folder(tmp_path, tokenizer_config=json.dumps({"chat_template": CHAT_TEMPLATE}))
     tokenizer = Tokenizer(folder)
@@ -231,7 +237,7 @@ def test_chat_template_thinking_switch_and_message_checks(tmp_path):
 
 @pytest.mark.parametrize("name", ["tokenizer_config", "generation_config"])
 def test_tokenizer_side_file_that_is_not_json_is_named(tmp_path, name):
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     folder = _tokenizer_folder(tmp_path, **{name: "{oops"})
     with pytest.raises(ValueError, match=f"{name}.json is not valid JSON"):
@@ -239,8 +245,8 @@ def test_tokenizer_side_file_that_is_not_json_is_named(tmp_path, name):
 
 
 def test_text_stream_pieces_join_to_the_whole_text():
-    from dflash_jax.generate import DEFAULT_MODEL
-    from dflash_jax.tokenizer import TextStream, Tokenizer
+    from dflash_jax.entrypoints.generate import DEFAULT_MODEL
+    from dflash_jax.loading.tokenizer import TextStream, Tokenizer
 
     tokenizer = Tokenizer(DEFAULT_MODEL / "target")
     ids = tokenizer.encode("x = '日本'")
@@ -253,8 +259,8 @@ def test_text_stream_pieces_join_to_the_whole_text():
 
 def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, capsys):
     """max_new_tokens may end inside a multi-byte character: the last flush still prints the rest."""
-    from dflash_jax import generate
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.entrypoints import generate
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     target_dir, _ = model_dirs
     tokenizer = Tokenizer(target_dir)
@@ -267,7 +273,8 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--chat"], "has no chat template"),
+    (["--target", "{untemplated}", "--chat"], "has no chat template (neither chat_template.jinja nor a "
+                                              "chat_template in tokenizer_config.json); drop --chat"),
     (["--batch-file", "{jsonl}", "--no-draft"], 'prompts.jsonl:2: expected an object with a "prompt" string'),
     (["--batch-file", "{empty}"], "holds no prompts"),
     (["--batch-file", "{blank_jsonl}"], "blank.jsonl:2: the prompt is empty"),
@@ -298,8 +305,9 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
         "system-without-chat", "thinking-without-chat", "messages-without-chat", "bad-messages", "too-long",
         "pallas-on-cpu", "page-larger-than-the-model"])
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, args, message):
-    """Input errors on the embedded default model (which has no chat template), before any weights load."""
-    from dflash_jax import generate
+    """Input errors on the embedded default model (or its files without their chat template), before
+    any weights load."""
+    from dflash_jax.entrypoints import generate
 
     if jax.default_backend() != "cpu" and "pallas" in args:
         pytest.skip("the kernels run on this GPU")
@@ -311,7 +319,11 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, args, me
     (tmp_path / "upper.JSONL").write_text('{"text": "def a"}\n')
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "bad_chat.jsonl").write_text('{"messages": [{"role": "user"}]}\n')
-    paths = dict(jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
+    untemplated = tmp_path / "untemplated"
+    untemplated.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (untemplated / name).write_bytes((generate.DEFAULT_MODEL / "target" / name).read_bytes())
+    paths = dict(untemplated=untemplated, jsonl=tmp_path / "prompts.jsonl", empty=tmp_path / "empty.txt", tmp=tmp_path,
                  blank_jsonl=tmp_path / "blank.jsonl", upper=tmp_path / "upper.JSONL",
                  chat_jsonl=tmp_path / "chat.jsonl", bad_chat=tmp_path / "bad_chat.jsonl",
                  default=generate.DEFAULT_MODEL)
@@ -323,7 +335,7 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch, args, me
 def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkeypatch, capsys):
     """A --stats-json that cannot be written after the run is one error line (the statistics are
     on stderr already); Ctrl-C ends the CLI with status 130 and one line, not a traceback."""
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     target_dir, draft_dir = model_dirs
     base = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "4", "--impl", "reference"]
@@ -386,7 +398,7 @@ def test_a_compile_cache_that_cannot_be_written(model_dirs, tmp_path, monkeypatc
     """A folder named by --compile-cache that cannot be written is refused before the weights load;
     the default one (or none, with no home folder) is a warning, and the run goes on compiling as
     it would without."""
-    from dflash_jax import cli, generate
+    from dflash_jax.entrypoints import cli, generate
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -416,7 +428,7 @@ def test_a_compile_cache_that_cannot_be_written(model_dirs, tmp_path, monkeypatc
 def test_compile_cache_folder_defaults(tmp_path, monkeypatch, jax_cache_settings):
     """``--compile-cache`` absent: jax's own setting, else $XDG_CACHE_HOME/dflash_jax/xla, else
     ~/.cache/dflash_jax/xla; "none" is no folder; ~ is expanded."""
-    from dflash_jax.cli import compile_cache_folder
+    from dflash_jax.entrypoints.cli import compile_cache_folder
 
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_own"))
     assert compile_cache_folder(None) == tmp_path / "jax_own"
@@ -450,7 +462,7 @@ def test_cli_exits_quietly_when_its_reader_leaves_and_cleanly_when_interrupted(m
         else:
             run.send_signal(signal.SIGINT)
         err = run.stderr.read().decode()
-        assert run.wait(timeout=300) == (141 if leave == "close" else 130), err
+        assert run.wait(timeout=900) == (141 if leave == "close" else 130), err
         assert "Traceback" not in err and (leave == "close" or err.endswith("interrupted\n")), err
         if leave == "interrupt":
             run.stdout.close()
@@ -462,7 +474,7 @@ def test_batch_file_may_be_a_pipe(tmp_path):
     import os
     import threading
 
-    from dflash_jax.tokenizer import read_prompt_file
+    from dflash_jax.loading.tokenizer import read_prompt_file
 
     pipe = tmp_path / "prompts"
     os.mkfifo(pipe)
@@ -478,7 +490,7 @@ def test_batch_file_lines_end_at_newlines_only(tmp_path):
     """Form feeds, U+2028 and \\r\\n endings stay inside their prompt (str.splitlines would split)."""
     import argparse
 
-    from dflash_jax.generate import _read_prompts
+    from dflash_jax.entrypoints.generate import _read_prompts
 
     text = tmp_path / "prompts.txt"
     text.write_bytes("x = 1  # page\x0cy = 2\r\nsecond\u2028line\n\nthird\n".encode())
@@ -493,7 +505,7 @@ def test_batch_file_lines_end_at_newlines_only(tmp_path):
 def test_batch_file_byte_order_mark_json_encoding_and_folder(tmp_path):
     import argparse
 
-    from dflash_jax.generate import _read_prompts
+    from dflash_jax.entrypoints.generate import _read_prompts
 
     def read(path):
         return list(_read_prompts(argparse.Namespace(batch_file=str(path), prompt=None)).values())
@@ -515,7 +527,7 @@ def test_batch_file_byte_order_mark_json_encoding_and_folder(tmp_path):
 def test_chat_template_runs_sandboxed_with_transformers_globals(tmp_path):
     """A model folder's template cannot run code; tools/documents are None, tojson does not
     escape HTML, strftime_now exists (as in transformers); a broken template only stops --chat."""
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     marker = tmp_path / "PWNED"
     evil = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
@@ -535,8 +547,8 @@ def test_chat_template_runs_sandboxed_with_transformers_globals(tmp_path):
 
 
 def test_text_stream_across_lines_joins_to_the_whole_text():
-    from dflash_jax.generate import DEFAULT_MODEL
-    from dflash_jax.tokenizer import TextStream, Tokenizer
+    from dflash_jax.entrypoints.generate import DEFAULT_MODEL
+    from dflash_jax.loading.tokenizer import TextStream, Tokenizer
 
     tokenizer = Tokenizer(DEFAULT_MODEL / "target")
     ids = tokenizer.encode("def f():\n    return '日本'\n\n\nx = f()  # é\n")
@@ -551,7 +563,7 @@ def test_text_stream_across_lines_joins_to_the_whole_text():
 def test_library_argument_names_become_flags_as_whole_names_only():
     """named_as_flags turns top_p into --top-p in a refusal, but leaves another name that ends in
     it (min_top_p) alone, re-raising the error unchanged."""
-    from dflash_jax.cli import named_as_flags
+    from dflash_jax.entrypoints.cli import named_as_flags
 
     with pytest.raises(ValueError, match=r"^--top-p must be in \(0, 1\]$"):
         with named_as_flags(["top_p"]):
@@ -566,7 +578,7 @@ def test_library_argument_names_become_flags_as_whole_names_only():
 def test_cli_warnings_print_as_one_line():
     import warnings
 
-    from dflash_jax.cli import one_line_warnings
+    from dflash_jax.entrypoints.cli import one_line_warnings
 
     before = warnings.formatwarning
     with one_line_warnings():
@@ -581,7 +593,7 @@ def test_cli_warns_of_what_it_ignores(model_dirs, tmp_path, monkeypatch, capsys)
     import shutil
     import warnings
 
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     def stop(*args, **kwargs):
         raise ValueError("stopped before the weights")
@@ -607,20 +619,23 @@ def test_cli_warns_of_what_it_ignores(model_dirs, tmp_path, monkeypatch, capsys)
 
 
 def test_cli_draft_without_target_names_the_embedded_target(model_dirs, capsys):
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     assert generate.main(["--draft", str(model_dirs[1])]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no --target was given, so the target is the embedded default" in err
 
 
-def test_cli_help_describes_every_flag_and_its_default(monkeypatch):
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_help_describes_every_flag_and_its_default(monkeypatch, command):
     """Each flag of --help has a description; each that takes a value names its default, as a value
-    or as what leaving the flag out means (never a bare None)."""
-    from dflash_jax import generate
+    or as what leaving the flag out means (never a bare None): --target lists every family, --dtype
+    says that a CPU runs float32."""
+    from dflash_jax.entrypoints import arguments
+    from dflash_jax.model.families import FAMILIES
 
     monkeypatch.setenv("COLUMNS", "100")
-    parser = generate._parser()
+    parser = getattr(arguments, f"{command}_parser")()
     text = parser.format_help()
     described, flag = {}, None  # flag -> its help text, from the lines that describe it
     for line in text.splitlines():
@@ -642,21 +657,63 @@ def test_cli_help_describes_every_flag_and_its_default(monkeypatch):
             assert f"(default: {action.default})" in help_text, help_text
         elif action.nargs != 0:  # takes a value: says what its absence means
             assert "default: " in help_text, help_text
+    families = {family.label.split(" (")[0] for family in FAMILIES}
+    assert len(families) == 7 and all(label in described["--target"] for label in families)
+    assert "default: float32 on CPU, bfloat16 on GPU/TPU" in described["--dtype"]
+
+
+def test_help_and_usage_errors_answer_without_jax():
+    """``python -m dflash_jax.generate --help`` and ``python -m dflash_jax.serve --help`` (and their
+    usage errors) parse the arguments before jax is imported: they answer in a fraction of a
+    second, not the seconds jax takes to import."""
+    check = ("import runpy, sys\n"
+             "for module, args in [('dflash_jax.generate', ['--help']), ('dflash_jax.serve', ['--help']),\n"
+             "                     ('dflash_jax.generate', ['--max-num-seqs', '0'])]:\n"
+             "    sys.argv = [module, *args]\n"
+             "    try:\n"
+             "        runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+             "    except SystemExit as stop:\n"
+             "        print(module, args[0], stop.code, file=sys.stderr)\n"
+             "print(sorted(name for name in sys.modules if name.split('.')[0] in ('jax', 'jaxlib', 'numpy')))\n"
+             "from dflash_jax.generate import generate\n"  # the library's names still import from it
+             "print(generate.__module__)\n")
+    run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=_cli_env())
+    assert run.returncode == 0 and run.stdout.splitlines()[-2:] == ["[]", "dflash_jax.entrypoints.generate"], \
+        run.stderr
+    assert "usage: python -m dflash_jax.serve" in run.stdout and "--no-baseline" in run.stdout
+    assert "dflash_jax.generate --help 0" in run.stderr and "dflash_jax.serve --help 0" in run.stderr
+    assert "--max-num-seqs: must be an integer >= 1, got '0'" in run.stderr
+
+
+def test_argument_copies_equal_what_they_copy():
+    """``arguments`` (which must not import jax) copies a few values of heavier modules: the dtypes,
+    the MXFP4 choices, the kernel choices, the target families of the registry."""
+    from dflash_jax.entrypoints import arguments
+    from dflash_jax.loading import models
+    from dflash_jax.model import ops
+    from dflash_jax.model.families import FAMILIES
+
+    assert sorted(arguments.DTYPE_NAMES) == sorted(models.DTYPES)
+    assert arguments.MXFP4_CHOICES == models.MXFP4_EXPERTS
+    assert arguments.IMPLS == ops.IMPLS
+    assert arguments.target_families() == list(dict.fromkeys(f.label.split(" (")[0] for f in FAMILIES))
 
 
 def _canned_engine(pieces: list[list[int]]):
     """An Engine class that answers every request with these pieces of tokens, through the real
     engine's text handling, without running the models (nothing compiles beyond its empty cache)."""
-    from dflash_jax.engine import Engine
+    from dflash_jax.runtime.engine import Engine
 
     class Canned(Engine):
         def step(self):
             with self._lock:
-                waiting, self._waiting = list(self._waiting), type(self._waiting)()
+                waiting = list(self.scheduler.waiting)
+                self.scheduler.waiting.clear()
             for request in waiting:
                 request.first_token_time = time.monotonic()
                 for index, piece in enumerate(pieces):
-                    self._emit(request, piece, [], "length" if index == len(pieces) - 1 else None)
+                    self.output.emit(request, piece, [], "length" if index == len(pieces) - 1 else None)
             return bool(waiting)
 
     return Canned
@@ -666,8 +723,8 @@ def _canned_engine(pieces: list[list[int]]):
 def canned_answer(model_dirs, monkeypatch):
     """generate.main on the tiny target, every prompt answered " = 1" without compiling: returns
     (run: argv -> exit status, the answer's text)."""
-    from dflash_jax import generate
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.entrypoints import generate
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     tokens = Tokenizer(model_dirs[0]).encode(" = 1")
     monkeypatch.setattr(generate, "Engine", _canned_engine([tokens]))
@@ -713,25 +770,45 @@ def test_cli_batch_file_blank_lines_keep_the_line_numbers(canned_answer, tmp_pat
     assert err.startswith(f"error: {prompts}:2 has ") and "more than the target's max_position_embeddings" in err
 
 
-def test_cli_hints_at_float32_on_a_cpu(canned_answer, capsys):
-    """bfloat16, the default, runs 2-3x slower than float32 on a CPU: a hint says so (and only then)."""
+def test_cli_runs_float32_on_a_cpu_unless_told(canned_answer, capsys):
+    """Without --dtype a CPU runs float32 (bfloat16 runs 2-3x slower there); a bfloat16 asked for
+    on a CPU gets a hint that says so."""
+    from dflash_jax.entrypoints.cli import default_dtype
+
     if jax.default_backend() != "cpu":
-        pytest.skip("the hint is for CPUs")
+        pytest.skip("the CPU default")
+    assert default_dtype() == "float32"
     run, _ = canned_answer
-    hint = "hint: on a CPU, bfloat16 runs 2-3x slower than float32: pass --dtype float32 for speed\n"
     assert run("--prompt", "x") == 0
-    assert hint in capsys.readouterr().err
-    assert run("--prompt", "x", "--dtype", "float32") == 0
-    assert "hint:" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert ", float32, jax " in err and "hint:" not in err
+    assert run("--prompt", "x", "--dtype", "bfloat16") == 0
+    err = capsys.readouterr().err
+    assert ", bfloat16, jax " in err
+    assert "hint: on a CPU, bfloat16 runs 2-3x slower than float32 (the CPU default: leave out --dtype)\n" in err
+
+
+def test_the_demo_compares_with_plain_decoding_unless_told_not_to(monkeypatch, capsys):
+    """Without --target the embedded pair runs, then plain decoding for comparison; --no-baseline
+    leaves the comparison out."""
+    from dflash_jax.entrypoints import generate
+
+    monkeypatch.setattr(generate, "Engine", _canned_engine([[5, 6]]))
+    assert generate.main(["--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "[dflash]" in err and "[plain]" in err and "[compare]" in err
+    assert generate.main(["--max-new-tokens", "2", "--no-baseline"]) == 0
+    err = capsys.readouterr().err
+    assert "[dflash]" in err and "[plain]" not in err and "[compare]" not in err
 
 
 def test_cli_batch_of_mixed_lengths_streams_answers_as_they_finish(model_dirs, tmp_path, capsys):
     """64 prompts of 1 to ~300 tokens through --max-num-seqs 4 slots (continuous batching: the
     KV pool holds 4 requests, not 64 padded to the longest): every answer equals that prompt run
     alone, --output-jsonl gets one object per prompt, the progress bar counts them."""
-    from dflash_jax import generate
-    from dflash_jax.models import load_target
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.entrypoints import generate
+    from dflash_jax.loading.models import load_target
+    from dflash_jax.loading.tokenizer import Tokenizer
 
     target_dir, draft_dir = model_dirs
     tokenizer = Tokenizer(target_dir)
@@ -761,17 +838,17 @@ def test_cli_batch_of_mixed_lengths_streams_answers_as_they_finish(model_dirs, t
 def test_cli_reads_prompts_from_stdin_and_writes_jsonl_to_stdout(model_dirs):
     run = subprocess.run([sys.executable, "-m", "dflash_jax.generate", "--target", str(model_dirs[0]), "--no-draft",
                           "--batch-file", "-", "--output-jsonl", "-", "--max-new-tokens", "3", "--dtype", "float32",
-                          "--impl", "reference"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          "--impl", "reference"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                          env=_cli_env(), input="def fib\n\nreturn n\n")
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in run.stdout.splitlines()]
     assert sorted((r["index"], r["prompt_name"], r["prompt"]) for r in records) == [
-        (0, "stdin:1", "def fib"), (1, "stdin:3", "return n")]
-    assert "blank line(s) 2 skipped" in run.stderr
+        (0, "/dev/stdin:1", "def fib"), (1, "/dev/stdin:3", "return n")]
+    assert "--batch-file /dev/stdin: blank line(s) 2 skipped" in run.stderr  # one name for standard input
 
 
 def test_cli_one_prompt_with_jsonl_to_stdout_prints_only_the_json(model_dirs, capsys):
-    from dflash_jax import generate
+    from dflash_jax.entrypoints import generate
 
     assert generate.main(["--target", str(model_dirs[0]), "--no-draft", "--prompt", "def fib", "--output-jsonl", "-",
                           "--max-new-tokens", "3", "--dtype", "float32", "--impl", "reference"]) == 0

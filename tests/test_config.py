@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dflash_jax.config import (ConfigError, DraftConfig, ModelConfig, build_target_layer_ids, load_draft_config,
-                               load_target_config)
+from dflash_jax.model.config import ConfigError, build_target_layer_ids
+from dflash_jax.model.hf_config import draft_config_from_hf, load_draft_config, load_target_config, target_config_from_hf
 
 
 def qwen3_raw(layers: int = 2, **overrides) -> dict:
@@ -47,7 +47,7 @@ def speculators_raw(**overrides) -> dict:
 
 
 def test_transformers_config_json_parses():
-    config = ModelConfig.from_hf(qwen3_raw())
+    config = target_config_from_hf(qwen3_raw())
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (64, 32, 64)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
     assert config.rope_theta == 10000.0 and config.rms_norm_eps == 1e-6
@@ -58,15 +58,15 @@ def test_transformers_config_json_parses():
 
 def test_rope_theta_top_level_or_in_rope_parameters():
     nested = qwen3_raw(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    assert ModelConfig.from_hf(nested).rope_theta == 5e5
+    assert target_config_from_hf(nested).rope_theta == 5e5
     both = qwen3_raw(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    assert ModelConfig.from_hf(both).rope_theta == 5e5  # rope_parameters wins, as in transformers 5
+    assert target_config_from_hf(both).rope_theta == 5e5  # rope_parameters wins, as in transformers 5
     legacy = qwen3_raw(rope_theta=123456.0)
     del legacy["rope_parameters"]
-    assert ModelConfig.from_hf(legacy).rope_theta == 123456.0
+    assert target_config_from_hf(legacy).rope_theta == 123456.0
     scaling = qwen3_raw(rope_theta=7.0, rope_scaling=None)
     del scaling["rope_parameters"]
-    assert ModelConfig.from_hf(scaling).rope_theta == 7.0
+    assert target_config_from_hf(scaling).rope_theta == 7.0
 
 
 def test_head_dim_and_kv_heads_default_as_transformers():
@@ -78,7 +78,7 @@ def test_head_dim_and_kv_heads_default_as_transformers():
     del raw["head_dim"]
     del raw["num_key_value_heads"]
     for kv_field, kv_heads in (({}, 32), ({"num_key_value_heads": None}, 64)):
-        config, hf = ModelConfig.from_hf({**raw, **kv_field}), Qwen3Config.from_dict({**raw, **kv_field})
+        config, hf = target_config_from_hf({**raw, **kv_field}), Qwen3Config.from_dict({**raw, **kv_field})
         assert config.head_dim == hf.head_dim == 128
         assert config.num_kv_heads == hf.num_key_value_heads == kv_heads
 
@@ -90,7 +90,7 @@ def test_absent_fields_default_as_transformers():
     raw = qwen3_raw()
     for field in ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings"):
         raw.pop(field, None)
-    config, hf = ModelConfig.from_hf(raw), Qwen3Config.from_dict(raw)
+    config, hf = target_config_from_hf(raw), Qwen3Config.from_dict(raw)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
     assert config.rms_norm_eps == hf.rms_norm_eps
     assert config.max_position_embeddings == hf.max_position_embeddings
@@ -99,17 +99,17 @@ def test_absent_fields_default_as_transformers():
 def test_tied_layer_types_and_eos_forms():
     raw = qwen3_raw(tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
                     sliding_window=128, use_sliding_window=True, eos_token_id=[5, 7])
-    config = ModelConfig.from_hf(raw)
+    config = target_config_from_hf(raw)
     assert config.tie_word_embeddings
     assert config.layer_types == ("sliding_attention", "full_attention")
     assert config.window(0) == 128 and config.window(1) is None
     assert config.eos_token_ids == (5, 7)
-    assert ModelConfig.from_hf(qwen3_raw(eos_token_id=3)).eos_token_ids == (3,)
-    assert ModelConfig.from_hf(qwen3_raw(eos_token_id=[4, None])).eos_token_ids == (4,)
+    assert target_config_from_hf(qwen3_raw(eos_token_id=3)).eos_token_ids == (3,)
+    assert target_config_from_hf(qwen3_raw(eos_token_id=[4, None])).eos_token_ids == (4,)
 
 
 def test_configs_are_frozen_and_hashable():
-    a, b = ModelConfig.from_hf(qwen3_raw()), ModelConfig.from_hf(qwen3_raw())
+    a, b = target_config_from_hf(qwen3_raw()), target_config_from_hf(qwen3_raw())
     assert a == b and hash(a) == hash(b)   # static jit arguments: equal configs share compiles
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.hidden_size = 8
@@ -121,25 +121,25 @@ def test_missing_field_is_named(field):
     raw = qwen3_raw()
     del raw[field]
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
 
 
 def test_missing_rope_theta_is_named():
     raw = qwen3_raw()
     del raw["rope_parameters"]
     with pytest.raises(ConfigError, match="rope_theta"):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
 
 
 def test_rope_scaling_beside_rope_parameters():
     """transformers 5 takes rope_scaling over rope_parameters: a config holding both, different
     (a YaRN block added to a saved Qwen3 config), is refused; the same dict twice is fine."""
     rope = {"rope_type": "default", "rope_theta": 5e5}
-    assert ModelConfig.from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=dict(rope))).rope_theta == 5e5
+    assert target_config_from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=dict(rope))).rope_theta == 5e5
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     for scaling in (yarn, {"rope_type": "default"}):
         with pytest.raises(ConfigError, match="rope_parameters .* and rope_scaling .* disagree"):
-            ModelConfig.from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=scaling))
+            target_config_from_hf(qwen3_raw(rope_parameters=rope, rope_scaling=scaling))
 
 
 @pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
@@ -149,7 +149,7 @@ def test_unsupported_rope_type(where, rope_type):
     del raw["rope_parameters"]
     raw[where] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e6}
     with pytest.raises(ConfigError, match=rope_type):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -162,7 +162,7 @@ def test_unsupported_rope_type(where, rope_type):
 ], ids=["act", "layer-count", "layer-kind", "kv-heads", "quantized"])
 def test_unsupported_target_settings(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(qwen3_raw(**overrides))
+        target_config_from_hf(qwen3_raw(**overrides))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -180,13 +180,13 @@ def test_unsupported_target_settings(overrides, message):
         "layer-types-str", "eos-str", "window-str"])
 def test_wrongly_typed_target_field_is_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(qwen3_raw(**overrides))
+        target_config_from_hf(qwen3_raw(**overrides))
 
 
 def test_integral_floats_are_integers_and_max_position_defaults_as_transformers():
     raw = qwen3_raw(hidden_size=32.0)
     del raw["max_position_embeddings"]
-    config = ModelConfig.from_hf(raw)
+    config = target_config_from_hf(raw)
     assert config.hidden_size == 32 and isinstance(config.hidden_size, int)
     assert config.max_position_embeddings == 32768  # Qwen3Config's default
 
@@ -238,7 +238,7 @@ def test_build_target_layer_ids_matches_reference():
 
 
 def test_zlab_draft_config():
-    config = DraftConfig.from_hf(zlab_raw())
+    config = draft_config_from_hf(zlab_raw())
     assert config.source_format == "z-lab"
     assert (config.block_size, config.mask_token_id) == (16, 151669)
     assert config.target_layer_ids == (1, 9, 17, 25, 33) and config.num_target_layers == 36
@@ -253,18 +253,18 @@ def test_zlab_draft_options_and_defaults():
                    dflash_config={"mask_token_id": 5, "block_size": 8, "input_embedding_scale": 2.0,
                                   "output_multiplier": 0.5, "final_logit_softcapping": 30.0})
     del raw["block_size"]
-    config = DraftConfig.from_hf(raw)
+    config = draft_config_from_hf(raw)
     assert config.block_size == 8                                    # dflash_config wins / supplies it
     assert config.target_layer_ids == build_target_layer_ids(36, 2)  # ids absent -> build rule
     assert (config.input_embedding_scale, config.output_multiplier, config.final_logit_softcapping) == (2.0, 0.5, 30.0)
     assert config.causal_layers == (True, False)                     # sliding layers causal by default
-    assert DraftConfig.from_hf({**raw, "is_causal": False}).causal_layers == (False, False)
-    assert DraftConfig.from_hf({**raw, "is_causal": True}).causal_layers == (True, True)
+    assert draft_config_from_hf({**raw, "is_causal": False}).causal_layers == (False, False)
+    assert draft_config_from_hf({**raw, "is_causal": True}).causal_layers == (True, True)
     zero_cap = {**raw, "dflash_config": {**raw["dflash_config"], "final_logit_softcapping": 0}}
-    assert DraftConfig.from_hf(zero_cap).final_logit_softcapping is None
+    assert draft_config_from_hf(zero_cap).final_logit_softcapping is None
     no_block = zlab_raw()
     del no_block["block_size"]
-    assert DraftConfig.from_hf(no_block).block_size == 16            # the reference's default
+    assert draft_config_from_hf(no_block).block_size == 16            # the reference's default
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -278,7 +278,7 @@ def test_zlab_draft_errors(edit, message):
     raw = zlab_raw()
     edit(raw)
     with pytest.raises(ConfigError, match=message):
-        DraftConfig.from_hf(raw)
+        draft_config_from_hf(raw)
 
 
 @pytest.mark.parametrize("make, message", [
@@ -293,15 +293,15 @@ def test_zlab_draft_errors(edit, message):
 ], ids=["dflash-list", "ids-str", "mask-str", "causal-str", "layers-str", "aux-str", "block-list"])
 def test_wrongly_typed_draft_field_is_named(make, message):
     with pytest.raises(ConfigError, match=message):
-        DraftConfig.from_hf(make())
+        draft_config_from_hf(make())
 
 
 def test_speculators_sample_from_anchor_is_refused():
     """Such a draft's slot k predicts token t+k+1: loaded as an ordinary one it would propose
     every token one position off (lossless, but nearly nothing accepted)."""
-    assert DraftConfig.from_hf(speculators_raw(sample_from_anchor=False)) == DraftConfig.from_hf(speculators_raw())
+    assert draft_config_from_hf(speculators_raw(sample_from_anchor=False)) == draft_config_from_hf(speculators_raw())
     with pytest.raises(ConfigError, match="sample_from_anchor=true"):
-        DraftConfig.from_hf(speculators_raw(sample_from_anchor=True))
+        draft_config_from_hf(speculators_raw(sample_from_anchor=True))
 
 
 def test_speculators_draft_config(tmp_path):
@@ -312,13 +312,13 @@ def test_speculators_draft_config(tmp_path):
     assert (config.block_size, config.mask_token_id) == (8, 63)
     assert config.draft_vocab_size is None                            # == vocab: not reduced
     assert config.model.num_layers == 1
-    reduced = DraftConfig.from_hf(speculators_raw(draft_vocab_size=20))
+    reduced = draft_config_from_hf(speculators_raw(draft_vocab_size=20))
     assert reduced.draft_vocab_size == 20
     sliding = speculators_raw(transformer_layer_config=qwen3_raw(
         layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
         use_sliding_window=True))
-    assert DraftConfig.from_hf(sliding).causal_layers == (True, False)
-    assert DraftConfig.from_hf({**sliding, "sliding_window_non_causal": True}).causal_layers == (False, False)
+    assert draft_config_from_hf(sliding).causal_layers == (True, False)
+    assert draft_config_from_hf({**sliding, "sliding_window_non_causal": True}).causal_layers == (False, False)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -332,12 +332,12 @@ def test_speculators_errors(edit, message):
     raw = speculators_raw()
     edit(raw)
     with pytest.raises(ConfigError, match=message):
-        DraftConfig.from_hf(raw)
+        draft_config_from_hf(raw)
 
 
 def test_check_target_errors():
-    target = ModelConfig.from_hf(qwen3_raw(layers=4))
-    good = DraftConfig.from_hf(speculators_raw())
+    target = target_config_from_hf(qwen3_raw(layers=4))
+    good = draft_config_from_hf(speculators_raw())
     good.check_target(target)
     cases = [
         (dataclasses.replace(good, model=dataclasses.replace(good.model, hidden_size=48)), "hidden_size"),
@@ -361,8 +361,8 @@ def test_check_target_errors():
 def test_draft_made_for_another_target_depth():
     """num_target_layers that disagrees with the target: a warning when the taps exist, and the
     error for taps that do not says which depth the draft was made for."""
-    target = ModelConfig.from_hf(qwen3_raw(layers=4))
-    draft = DraftConfig.from_hf(zlab_raw(**{**qwen3_raw(layers=1), "architectures": ["DFlashDraftModel"]},
+    target = target_config_from_hf(qwen3_raw(layers=4))
+    draft = draft_config_from_hf(zlab_raw(**{**qwen3_raw(layers=1), "architectures": ["DFlashDraftModel"]},
                                          num_target_layers=36, dflash_config={"mask_token_id": 3,
                                                                              "target_layer_ids": [1, 2]}))
     with pytest.warns(UserWarning, match="made for a 36-layer target and this target has 4 layers"):
@@ -374,25 +374,25 @@ def test_draft_made_for_another_target_depth():
 
 def test_unsupported_draft_architecture_is_named():
     raw = zlab_raw(architectures=["DFlash3DraftModel"])
-    from dflash_jax.config import is_draft_config
+    from dflash_jax.model.hf_config import is_draft_config
     assert is_draft_config(raw)  # so a swapped --target/--draft is still recognised
     with pytest.raises(ConfigError, match="architecture DFlash3DraftModel is not supported"):
-        DraftConfig.from_hf(raw)
+        draft_config_from_hf(raw)
     # DFlash2 reads its convolution and selector fields, from dflash_config or the top level
     dflash2 = zlab_raw(architectures=["DFlash2DraftModel"], conv_kernel_size=2, conv_group_size=8,
                        selector_rank=4, selector_top_k=3)
-    config = DraftConfig.from_hf(dflash2)
+    config = draft_config_from_hf(dflash2)
     assert config.selector.top_k == 3 and config.model.layers[0].conv.group_size == 8
     with pytest.raises(ConfigError, match="conv_kernel_size"):
-        DraftConfig.from_hf(zlab_raw(architectures=["DFlash2DraftModel"]))
+        draft_config_from_hf(zlab_raw(architectures=["DFlash2DraftModel"]))
 
 
 def test_speculators_tap_ids_and_top_level_window_fields():
     with pytest.raises(ConfigError, match=r"aux_hidden_state_layer_ids \[0, 2\] must be >= 1"):
-        DraftConfig.from_hf(speculators_raw(aux_hidden_state_layer_ids=[0, 2]))
+        draft_config_from_hf(speculators_raw(aux_hidden_state_layer_ids=[0, 2]))
     layers = {k: v for k, v in qwen3_raw(layers=2).items()
               if k not in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")}
-    config = DraftConfig.from_hf(speculators_raw(
+    config = draft_config_from_hf(speculators_raw(
         transformer_layer_config=layers, layer_types=["sliding_attention", "full_attention"],
         use_sliding_window=True, sliding_window=16))
     assert config.model.layer_types == ("sliding_attention", "full_attention")
@@ -403,7 +403,6 @@ def test_sliding_window_follows_transformers_semantics():
     """use_sliding_window gates the window; without layer_types, layers >= max_window_layers slide."""
     from transformers import Qwen3Config
 
-    from dflash_jax.config import ModelConfig
 
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -412,14 +411,14 @@ def test_sliding_window_follows_transformers_semantics():
                   {"use_sliding_window": False, "sliding_window": 7,
                    "layer_types": ["sliding_attention", "full_attention"] * 2}):
         hf = Qwen3Config(**base, **extra)
-        ours = ModelConfig.from_hf(hf.to_dict())
+        ours = target_config_from_hf(hf.to_dict())
         assert list(ours.layer_types) == list(hf.layer_types)
         assert ours.sliding_window == hf.sliding_window
     # the window's field absent (4096) or null (no window, so no sliding layers)
     for window in ({}, {"sliding_window": None}):
         raw = {**base, "model_type": "qwen3", "rope_theta": 1e6, "use_sliding_window": True, "max_window_layers": 1,
                **window}
-        hf, ours = Qwen3Config.from_dict(raw), ModelConfig.from_hf(raw)
+        hf, ours = Qwen3Config.from_dict(raw), target_config_from_hf(raw)
         assert list(ours.layer_types) == list(hf.layer_types)
         assert ours.sliding_window == hf.sliding_window
         assert [ours.window(i) for i in range(4)] == [
@@ -437,7 +436,7 @@ def test_a_qwen36_draft_config_parses_as_published(block_inside):
                    layer_types=["sliding_attention"] * 4 + ["full_attention"], dflash_config=dflash)
     if block_inside:
         dflash["block_size"] = raw.pop("block_size")
-    config = DraftConfig.from_hf(raw)
+    config = draft_config_from_hf(raw)
     assert (config.block_size, config.mask_token_id, config.target_layer_ids) == (16, 248070, (1, 16, 31, 46, 61))
     assert config.model.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
     assert [config.model.window(i) for i in range(5)] == [2048] * 4 + [None]

@@ -19,10 +19,10 @@ import checkpoints_convert
 from builders import speculators_draft_folder, target_folder, zlab_draft_folder
 from checkpoints_convert import convert, export_draft, export_target
 from checkpoints_convert.convert import SIDE_FILES
-from dflash_jax import checkpoint
-from dflash_jax.checkpoint import CheckpointError
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.params import cast_params
+from dflash_jax.loading import checkpoint
+from dflash_jax.loading.checkpoint import CheckpointError
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.model.params import cast_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,7 +243,7 @@ def test_outputs_get_the_umask_permissions(tmp_path, umask):
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "checkpoints_convert", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
+                          env=env, cwd=REPO, timeout=900)
 
 
 def test_cli_converts_and_reports_errors_in_one_line(tmp_path):

@@ -1,11 +1,12 @@
-"""The embedded default pair: within its size budget, loadable by transformers, lossless."""
+"""The embedded default pair: within its size budget, loadable by transformers, lossless, and what
+``generate`` and ``serve`` run without --target (chats included)."""
 
 import pytest
 import torch
 
-from dflash_jax.generate import DEFAULT_MODEL, generate, main
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.entrypoints.generate import DEFAULT_MODEL, generate, main
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.loading.tokenizer import Tokenizer
 
 PROMPTS = ["import os\n\ndef ", "class Stack:\n    def __init__(self):\n", "for i in range("]
 
@@ -42,8 +43,8 @@ def test_default_pair_is_lossless(pair):
 def test_default_target_matches_transformers(pair):
     from transformers import Qwen3ForCausalLM
 
-    from dflash_jax import target as target_model
-    from dflash_jax.cache import allocate_pages, init_cache
+    from dflash_jax.model import target as target_model
+    from dflash_jax.model.cache import allocate_pages, init_cache
     import jax.numpy as jnp
 
     target, _, tok = pair
@@ -59,7 +60,49 @@ def test_default_target_matches_transformers(pair):
     assert float(abs(got - expected).max()) < 1e-3
 
 
+def test_default_chat_template_renders_as_transformers_does():
+    """The pair's tokenizer has no chat tokens: its template writes "User: ..." turns as text."""
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "return a + b"}, {"role": "user", "content": "and sub?"}]
+    ours = Tokenizer(DEFAULT_MODEL / "target").apply_chat_template(chat)
+    theirs = AutoTokenizer.from_pretrained(DEFAULT_MODEL / "target").apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs == ("System: Be brief.\n\nUser: def add(a, b):\n\nAssistant: return a + b\n\n"
+                              "User: and sub?\n\nAssistant:")
+
+
 def test_cli_runs_the_default_pair(capsys):
-    assert main(["--max-new-tokens", "12", "--dtype", "float32"]) == 0
-    err = capsys.readouterr().err
-    assert "tau" in err and "outputs identical: True" in err
+    """No --target: the embedded pair, in float32 on a CPU, compared with plain decoding; --chat
+    renders the prompt with its template."""
+    assert main(["--max-new-tokens", "12", "--chat", "--prompt", "def add(a, b):"]) == 0
+    captured = capsys.readouterr()
+    assert "tau" in captured.err and "outputs identical: True" in captured.err
+    assert captured.out.startswith("def add(a, b):\n")  # the prompt as given, the answer on a line of its own
+
+
+def test_serve_without_target_chats_with_the_default_pair(monkeypatch, capsys):
+    """``python -m dflash_jax.serve`` with no --target serves the embedded pair under its own name,
+    and its chat template answers chat completions (the app run in-process, its programs compiled
+    on the first request instead of at start)."""
+    import signal
+
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from dflash_jax.entrypoints import serve
+
+    served = {}
+    monkeypatch.setattr(serve.Engine, "warmup", lambda self: 0)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: served.update(app=app))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)    # the test process keeps its handlers
+    monkeypatch.setattr(serve, "_log_to_stderr", lambda level: None)  # and its logging
+    assert serve.main(["--max-num-seqs", "1", "--max-model-len", "64", "--impl", "reference"]) == 0
+    assert "serving dflash-jax-default on http://127.0.0.1:8000/v1" in capsys.readouterr().err
+    with TestClient(served["app"]) as client:
+        models = client.get("/v1/models").json()["data"]
+        answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "def add(a, b):"}],
+                                                             "max_tokens": 4, "temperature": 0}).json()
+    assert [m["id"] for m in models] == ["dflash-jax-default"]
+    assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1

@@ -2,7 +2,7 @@
 draft variants (sliding window, scale options, speculators format) and config errors.
 
 Reference: ``dflash.model.dflash_generate`` (bs=1) on the very same weights; ours runs the
-prompts as one ragged batch through ``dflash_jax.generate.generate`` and every row must equal
+prompts as one ragged batch through ``dflash_jax.entrypoints.generate.generate`` and every row must equal
 the reference run of that prompt alone: tokens and per-step acceptance lengths.
 """
 
@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from builders import make_copy_draft, save_draft, save_speculators_draft
-from dflash_jax import draft as draft_model
-from dflash_jax.cache import allocate_pages, init_cache
-from dflash_jax.config import ConfigError
-from dflash_jax.generate import generate
-from dflash_jax.models import Draft, load_draft
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.model import draft as draft_model
+from dflash_jax.model.cache import allocate_pages, init_cache
+from dflash_jax.model.config import ConfigError
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import Draft, load_draft
+from dflash_jax.runtime.sampling import SamplingConfig
 
 MAX_NEW = 48          # max over a batch: every call keeps it so compiled loops are shared
 PROMPT_LENS = (7, 9, 11, 14)   # the copy construction needs >= 6
@@ -215,7 +215,7 @@ def test_streaming_shows_each_chunk_at_once_and_its_time_is_not_decode_time(spec
     tokens before the next one (on a GPU a chunk call returns only when the chunk is done, so a
     later hand-over would show text one chunk late), and counts the callback's time in neither
     the prefill nor the decode time: a clock that only the callback advances reads zero."""
-    import dflash_jax.generate as gen
+    import dflash_jax.entrypoints.generate as gen
 
     prompts, expected = baseline
     prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
@@ -240,7 +240,7 @@ def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, bas
     """Every step emits a token for each unfinished row, so ``run`` knows how many chunks can be
     needed; a chunk that made no progress (a bug) ends in an error naming the rows, not in a loop
     that never returns."""
-    import dflash_jax.generate as gen
+    import dflash_jax.entrypoints.generate as gen
 
     prompts, _ = baseline
     prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
@@ -252,7 +252,7 @@ def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, bas
 
 def test_token_id_0_stops_a_row_like_any_other_stop_id():
     """Stop lists are padded with -1: id 0 is a real token id and must count as a stop."""
-    from dflash_jax.decode import _is_stop
+    from dflash_jax.runtime.decode import _is_stop
 
     hits = _is_stop(jnp.asarray([[0, 3, 7, 0]]), jnp.asarray([[0, -1, -1, -1]]))
     assert np.asarray(hits).tolist() == [[True, False, False, True]]
@@ -597,7 +597,7 @@ def test_pages_follow_each_rows_own_length_and_the_capacity_error_names_the_prom
     """A short prompt beside a long one gets pages for its own prompt and new tokens (the padded
     prefill's extra positions fall on the sentinel page), and a prompt too long for the model's
     positions is named with what would fit."""
-    from dflash_jax import generate as generate_module
+    from dflash_jax.entrypoints import generate as generate_module
 
     class Allocated(Exception):
         pass
@@ -657,7 +657,7 @@ def test_stop_ids_as_arrays_one_id_and_outside_the_vocabulary(spec_pair, baselin
 
 
 def test_kv_cache_that_does_not_fit_the_device_is_refused(spec_pair, monkeypatch):
-    from dflash_jax import generate as generate_module
+    from dflash_jax.entrypoints import generate as generate_module
 
     class Device:
         def memory_stats(self):
@@ -711,7 +711,7 @@ def test_nearby_batches_reuse_the_compiled_functions(spec_pair, compilations):
 
 
 def test_draft_loads_in_the_targets_dtype_and_mixed_dtypes_are_refused(spec_pair):
-    from dflash_jax.params import cast_params
+    from dflash_jax.model.params import cast_params
 
     assert load_draft(spec_pair.draft.path, spec_pair.target).params.fc.dtype == spec_pair.target.params.embed.dtype
     bf16 = Draft(spec_pair.draft.config, cast_params(spec_pair.draft.params, jnp.bfloat16), spec_pair.draft.path)

@@ -16,12 +16,13 @@ import torch
 
 from builders import as_dflash2, make_copy_draft, make_copy_target, make_zlab_draft, save_draft, save_target
 from checkpoints_convert import export_draft
-from dflash_jax import selector as selector_module
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.nn import dynamic_conv
-from dflash_jax.nn.dynamic_conv import ConvParams, ConvSpec
-from dflash_jax.selector import SelectorParams, SelectorSpec
+from dflash_jax.model import selector as selector_module
+from dflash_jax.model.hf_config import draft_config_from_hf
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.model.nn import dynamic_conv
+from dflash_jax.model.nn.dynamic_conv import ConvParams, ConvSpec
+from dflash_jax.model.selector import SelectorParams, SelectorSpec
 
 MAX_NEW = 40
 
@@ -251,14 +252,14 @@ def test_published_names_load_and_export_round_trips(qwen3_dflash2, tmp_path, mo
 
 
 def test_dflash2_refusals(qwen3_dflash2, tmp_path):
-    from dflash_jax import train_draft
-    from dflash_jax.config import ConfigError, DraftConfig
+    from dflash_jax.training import train_draft
+    from dflash_jax.model.config import ConfigError
 
     _, _, target, draft, folder = qwen3_dflash2
     raw = json_of(folder)
     del raw["dflash_config"]["selector_rank"]
     with pytest.raises(ConfigError, match="selector_rank"):
-        DraftConfig.from_hf(raw)
+        draft_config_from_hf(raw)
     with pytest.raises(ValueError, match="training DFlash2 drafts"):
         train_draft.train_draft(target, None, tmp_path / "out", draft.config, None)
     with pytest.raises(ConfigError, match="both its candidate selector"):
@@ -274,8 +275,8 @@ def json_of(folder):
 def test_the_serving_engine_runs_dflash2_beside_sampled_requests(qwen3_dflash2):
     """Through the engine (slots, chunks, per-row sampling): greedy requests equal offline
     greedy generation while sampled ones share the batch (per-row temperatures reach the selector)."""
-    from dflash_jax.engine import Engine, RequestParams
-    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.runtime.engine import Engine, RequestParams
+    from dflash_jax.runtime.sampling import SamplingConfig
 
     _, _, target, draft, _ = qwen3_dflash2
     prompts = _prompts(target.config.vocab_size, seed=4, lens=(6, 9, 12, 8))

@@ -1,16 +1,19 @@
-"""The serving engine (dflash_jax.engine): continuous batching gives every request what it would
-get alone, greedy rows token for token; admission, chunked prefill, slot reuse and page freeing
-under random arrivals; per-request sampling exact in distribution."""
+"""The serving engine (dflash_jax.runtime.engine): continuous batching gives every request what it
+would get alone, greedy rows token for token; admission, chunked prefill, slot reuse and page
+freeing under random arrivals; per-request sampling exact in distribution; streamed text the
+tokenizer's decode of the tokens."""
 
+import itertools
 import random
 
 import jax
 import numpy as np
 import pytest
 
-from dflash_jax.engine import Engine, QueueFullError, RequestParams
-from dflash_jax.generate import generate
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.tokenizer import Tokenizer
+from dflash_jax.runtime.engine import Engine, QueueFullError, RequestParams
+from dflash_jax.runtime.sampling import SamplingConfig
 
 
 def _prompts(count: int, seed: int, vocab: int = 120, longest: int = 40) -> list[list[int]]:
@@ -30,7 +33,7 @@ def _run(engine: Engine, prompts, params) -> list:
 
 def _check_idle(engine: Engine) -> None:
     """Nothing leaked: every page free, nothing promised, every slot free."""
-    assert engine.pages_in_use == 0 and engine._promised == 0
+    assert engine.pages_in_use == 0 and engine.scheduler.promised == 0
     assert engine.num_running == 0 and engine.num_waiting == 0
 
 
@@ -125,6 +128,57 @@ def test_stop_strings_and_tokens(spec_pair):
     cut = alone.index(alone[3]) if alone.index(alone[3]) < alone.index(stop) else alone.index(stop)
     assert requests[0].token_ids == alone[:cut + 1] and outputs[0][-1].finish_reason == "stop"
     assert requests[1].token_ids == alone and outputs[1][-1].finish_reason == "length"
+
+
+def _sentencepiece_tokenizer(folder) -> Tokenizer:
+    """A tokenizer of the test target's 128 ids in Llama 2's and Mistral's form: SentencePiece BPE
+    ("▁" a word-start space, dropped at the start of a decode) with some <0xXX> byte tokens (日
+    is three of them); many tokens end in a newline, many start a word with "+"."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + i for i, b in enumerate(b"\xe6\x97\xa5\x0a\xff")}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for piece in ["▁", "\n", "é", *(p for c in letters for p in (f"{c}\n", f"▁+{c}", f"▁{c}", c)),
+                  *(f"▁{c}{d}" for c, d in itertools.product(letters, repeat=2))]:
+        if len(vocab) < 128:
+            vocab[piece] = len(vocab)
+    tokenizer = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
+
+
+def test_streamed_text_is_the_decode_of_the_tokens(spec_pair, tmp_path):
+    """With a SentencePiece tokenizer, word-start tokens after newlines and characters of byte
+    tokens arriving several a step (DFlash): a request's pieces of text join to the tokenizer's
+    decode of its tokens; with the stop string "\\n +" (matched on that text) the text ends before
+    it and the tokens with the one that completes it."""
+    tokenizer = _sentencepiece_tokenizer(tmp_path / "tokenizer")
+    prompts = _prompts(6, seed=5, vocab=128, longest=20)
+    stop = "\n +"
+    engine = Engine(spec_pair.target, spec_pair.draft, tokenizer, max_num_seqs=4, max_model_len=96, page_size=8,
+                    chunk_steps=2, impl="reference")
+    params = [RequestParams(max_tokens=30), RequestParams(max_tokens=30, stop=(stop,))]
+    requests, outputs = _run(engine, [p for p in prompts for _ in params], params * len(prompts))
+    stopped = 0
+    for plain, cut, plain_pieces, cut_pieces in zip(requests[::2], requests[1::2], outputs[::2], outputs[1::2]):
+        whole = tokenizer.decode(plain.token_ids)
+        assert "".join(o.text for o in plain_pieces) == whole and plain_pieces[-1].finish_reason == "length"
+        assert plain.token_ids[:len(cut.token_ids)] == cut.token_ids
+        text = "".join(o.text for o in cut_pieces)
+        if stop in whole:
+            stopped += 1
+            assert text == whole[:whole.index(stop)] and cut_pieces[-1].finish_reason == "stop"
+            assert stop in tokenizer.decode(cut.token_ids) and stop not in tokenizer.decode(cut.token_ids[:-1])
+        else:
+            assert text == whole and cut.token_ids == plain.token_ids
+    assert stopped >= 2 and max(len(o.token_ids) for pieces in outputs for o in pieces) > 1
+    _check_idle(engine)
 
 
 def test_mixed_sampling_rows_keep_greedy_rows_exact(spec_pair):
@@ -222,9 +276,9 @@ def test_a_seeded_request_samples_the_same_beside_others(spec_pair):
 def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, monkeypatch):
     """A device call that fails mid-run: every request holding a slot ends with "abort" and the
     error, its pages come back, the waiting ones then run as they would have."""
-    from dflash_jax import engine as engine_module
+    from dflash_jax.runtime.engine import device
 
-    real, calls = engine_module.engine_chunk, []
+    real, calls = device.engine_chunk, []
 
     def fails_once(*args, **kwargs):
         calls.append(1)
@@ -233,7 +287,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, mon
             raise RuntimeError("device fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "engine_chunk", fails_once)
+    monkeypatch.setattr(device, "engine_chunk", fails_once)
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=96, page_size=8, chunk_steps=2,
                     impl="reference")
     prompts = _prompts(4, seed=51)
@@ -257,20 +311,20 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, mon
 def test_the_default_pool_fits_the_free_device_memory(spec_pair, monkeypatch, caplog):
     """Without num_pages the pool is every slot at max_model_len, or what 90% of the device's
     free memory holds when that is less (with a warning); refused when not one request fits."""
-    from dflash_jax import engine as engine_module
+    from dflash_jax.runtime.engine import device
 
     settings = dict(max_num_seqs=4, max_model_len=64, page_size=8, impl="reference")
     every_slot = 4 * -(-(64 + 16) // 8)
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: None)              # a CPU reports nothing
+    monkeypatch.setattr(device, "device_free_bytes", lambda: None)              # a CPU reports nothing
     assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == every_slot
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 10**12)
+    monkeypatch.setattr(device, "device_free_bytes", lambda: 10**12)
     assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == every_slot
     # the target's and the draft's K and V pages: 6 layers x 2 x 8 tokens x 2 heads x 16 x 4 bytes
     per_page = 6 * 2 * 8 * 2 * 16 * 4
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: int((25.5 * per_page) / 0.9))  # + page table
-    with caplog.at_level("WARNING", logger="dflash_jax.engine"):
+    monkeypatch.setattr(device, "device_free_bytes", lambda: int((25.5 * per_page) / 0.9))  # + page table
+    with caplog.at_level("WARNING", logger="dflash_jax.runtime.engine"):
         assert Engine(spec_pair.target, spec_pair.draft, **settings).num_pages == 25
     assert "25 pages (200 tokens) fit" in caplog.text
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 5 * per_page)
+    monkeypatch.setattr(device, "device_free_bytes", lambda: 5 * per_page)
     with pytest.raises(ValueError, match="not even one request of max_model_len 64 fits"):
         Engine(spec_pair.target, spec_pair.draft, **settings)

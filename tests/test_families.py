@@ -17,13 +17,14 @@ import torch
 
 from builders import LLAMA3_TEST_ROPE, edit_config, make_target, save_target, train_briefly
 from checkpoints_convert import convert, export_target
-from dflash_jax import families
-from dflash_jax.checkpoint import CheckpointError
-from dflash_jax.config import ConfigError, ModelConfig
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.nn.moe import MoESpec
-from dflash_jax.nn.rope import RopeSpec, rope_from_hf
+from dflash_jax.model import families
+from dflash_jax.model.hf_config import target_config_from_hf
+from dflash_jax.loading.checkpoint import CheckpointError
+from dflash_jax.model.config import ConfigError
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.model.nn.moe import MoESpec
+from dflash_jax.model.nn.rope import RopeSpec, rope_from_hf
 
 MAX_NEW = 40
 PROMPT_LENS = (7, 9, 11, 14)
@@ -146,7 +147,7 @@ def test_llama3_test_rope_moves_the_phases_at_the_tests_lengths():
 
 
 def test_partial_rotary_tables_leave_the_other_dims_alone():
-    from dflash_jax.nn import rope
+    from dflash_jax.model.nn import rope
     from pallas_kernels import apply_rope
 
     spec = RopeSpec(theta=1e4, rotary_dim=8)
@@ -190,8 +191,8 @@ def _logits(hf, tokens):
 
 
 def _our_logits(target, tokens):
-    from dflash_jax import target as target_model
-    from dflash_jax.cache import allocate_pages, init_cache
+    from dflash_jax.model import target as target_model
+    from dflash_jax.model.cache import allocate_pages, init_cache
 
     table, pages = allocate_pages([len(tokens)], 16)
     cache = init_cache(target.config, None, table, pages, 16, target.params.embed.dtype)
@@ -232,7 +233,7 @@ def test_conversion_holds_one_layer_at_a_time(family_folder, tmp_path, monkeypat
     """Conversion writes each layer (a MoE layer: its stacked experts) as soon as its last tensor
     arrives and lets it go: never two layers in host memory at once, which lets a 61 GB
     Qwen3-30B-A3B convert on a 24 GB machine."""
-    from dflash_jax import checkpoint
+    from dflash_jax.loading import checkpoint
 
     _, src = family_folder
     events = []
@@ -282,7 +283,7 @@ def test_train_a_draft_for_a_moe_target_and_the_reference_runs_it(tmp_path, monk
     import dflash.model as reference
     from dflash.model import DFlashDraftModel
 
-    from dflash_jax import train_draft
+    from dflash_jax.training import train_draft
 
     monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)
     hf = make_target(seed=5, std=0.3, **{**FAMILY_FOLDERS["qwen3_moe"], "vocab": 96})
@@ -340,7 +341,7 @@ def test_bad_family_configs_are_refused_by_name(family, overrides, message):
     if overrides.get("num_experts", 0) is None:
         raw.pop("num_local_experts", None)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
 
 
 HYBRID_ARCH = dict(vocab=64, hidden=32, layers=4, heads=2, kv_heads=1)
@@ -365,7 +366,7 @@ def test_bad_hybrid_configs_are_refused_by_name(overrides, message, release):
     for key, value in overrides.items():
         text.pop(key, None) if value is None else text.__setitem__(key, value)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
 
 
 def test_a_qwen35_27b_release_config_parses():
@@ -382,7 +383,7 @@ def test_a_qwen35_27b_release_config_parses():
                            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
                                                "rope_type": "default", "rope_theta": 10000000,
                                                "partial_rotary_factor": 0.25}}}
-    config = ModelConfig.from_hf(raw)
+    config = target_config_from_hf(raw)
     assert config.family == "qwen3_5_release" and config.zero_centred_norms and not config.tie_word_embeddings
     assert len(config.recurrent_layers) == 48 and config.attention_layers == tuple(range(3, 64, 4))
     attention = config.attention
@@ -399,7 +400,7 @@ def test_qwen35_moe_routing_always_renormalises():
     raw = hybrid_config("qwen3_5_moe", **HYBRID_ARCH, experts=4, top_k=2).to_dict()
     for value in (False, None):
         raw["norm_topk_prob"] = value
-        assert all(layer.ffn.norm_topk_prob for layer in ModelConfig.from_hf(raw).layers)
+        assert all(layer.ffn.norm_topk_prob for layer in target_config_from_hf(raw).layers)
 
 
 def test_hybrid_layer_kinds_from_the_full_attention_interval():
@@ -409,7 +410,7 @@ def test_hybrid_layer_kinds_from_the_full_attention_interval():
     raw = hybrid_config("qwen3_5", **{**HYBRID_ARCH, "layers": 6}).to_dict()
     raw.pop("layer_types")
     raw["full_attention_interval"] = 3
-    assert ModelConfig.from_hf(raw).recurrent_layers == (0, 1, 3, 4)
+    assert target_config_from_hf(raw).recurrent_layers == (0, 1, 3, 4)
 
 
 @pytest.mark.parametrize("overrides", [dict(num_local_experts=0), dict(mlp_only_layers=[0, 1, 2])],
@@ -419,11 +420,11 @@ def test_a_moe_config_with_no_sparse_layer_is_all_dense_and_round_trips(override
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     raw = _raw("qwen3_moe", **overrides)
-    config = ModelConfig.from_hf(raw)
+    config = target_config_from_hf(raw)
     hf = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(raw))
     assert [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen3MoeMLP"] * 3
     assert not any(isinstance(layer.ffn, MoESpec) for layer in config.layers)
-    assert ModelConfig.from_hf(families.get("qwen3_moe").export_fields(config)) == config
+    assert target_config_from_hf(families.get("qwen3_moe").export_fields(config)) == config
 
 
 def test_unknown_architecture_lists_the_supported_ones():
@@ -431,7 +432,7 @@ def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(ConfigError, match=r"architecture GemmaForCausalLM is not supported \(supported: "
                                           r"Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM, "
                                           r"Qwen3_5ForCausalLM, .*, Qwen3NextForCausalLM, GptOssForCausalLM\)"):
-        ModelConfig.from_hf(raw)
+        target_config_from_hf(raw)
     assert families.find_family({"model_type": "llama"}).name == "llama"  # model_type alone suffices
     assert families.find_family({"model_type": "qwen3_5"}).name == "qwen3_5_release"
 
@@ -491,7 +492,7 @@ def test_generate_cli_runs_each_family(family, tmp_path, capsys):
     import shutil
 
     from builders import make_zlab_draft, save_draft
-    from dflash_jax import generate as generate_module
+    from dflash_jax.entrypoints import generate as generate_module
 
     vocab = 8192  # the embedded tokenizer's
     arch = {"std": 0.3, **FAMILY_FOLDERS[family], "vocab": vocab}

@@ -16,10 +16,11 @@ import torch
 
 from builders import fill_random, make_zlab_draft, save_draft, save_mxfp4_gpt_oss, train_briefly
 from checkpoints_convert import export_target
-from dflash_jax.config import ConfigError, ModelConfig
-from dflash_jax import models
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
+from dflash_jax.model.config import ConfigError
+from dflash_jax.model.hf_config import target_config_from_hf
+from dflash_jax.loading import models
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
 
 WINDOW = 4
 CONFIG = dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=64, hidden_size=32,
@@ -61,8 +62,8 @@ def _hf_logits(hf, tokens):
 def _forward_in_pieces(target, tokens, pieces):
     """Our logits of ``tokens`` run through the paged cache in consecutive pieces (a prefill,
     then verify blocks and single decode steps)."""
-    from dflash_jax import target as target_model
-    from dflash_jax.cache import allocate_pages, init_cache
+    from dflash_jax.model import target as target_model
+    from dflash_jax.model.cache import allocate_pages, init_cache
 
     table, pages = allocate_pages([len(tokens)], 4)
     cache = init_cache(target.config, None, table, pages, 4, jnp.float32)
@@ -101,7 +102,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(gpt_oss):
     """In bf16 the two differ in rounding (transformers multiplies the RMSNorm weight in f32, takes
     the attention and router softmaxes in bf16): ours stays as close to the f32 logits as theirs,
     position by position (median: at a router near-tie either bf16 run may pick another expert,
-    as the README says, and that position then leaves f32 for both)."""
+    as docs/families.md says, and that position then leaves f32 for both)."""
     from transformers import GptOssForCausalLM
 
     hf, folder, _ = gpt_oss
@@ -176,16 +177,16 @@ def test_defaults_and_refusals():
     on even layers); quantizations other than the released mxfp4 are refused by name."""
     raw = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 3, "num_local_experts": 4,
            "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16, "num_attention_heads": 16, "head_dim": 8}
-    config = ModelConfig.from_hf(raw)
+    config = target_config_from_hf(raw)
     assert [config.window(i) for i in range(3)] == [128, None, 128]
     rope = config.layers[0].mixer.rope
     assert (rope.kind, rope.factor, rope.theta, rope.truncate) == ("yarn", 32.0, 150000.0, False)
     assert config.layers[0].ffn.top_k == 4 and config.rms_norm_eps == 1e-5
     assert config.layers[0].mixer.num_kv_heads == 8
     with pytest.raises(ConfigError, match="quant_method 'awq' is not supported for gpt-oss"):
-        ModelConfig.from_hf({**raw, "quantization_config": {"quant_method": "awq"}})
+        target_config_from_hf({**raw, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ConfigError, match="num_experts"):
-        ModelConfig.from_hf({k: v for k, v in raw.items() if k != "num_local_experts"})
+        target_config_from_hf({k: v for k, v in raw.items() if k != "num_local_experts"})
 
 
 def test_dflash_through_every_kernel(tmp_path):
@@ -209,7 +210,7 @@ def test_dflash_through_every_kernel(tmp_path):
 def test_mxfp4_dequantization_is_bit_exact_against_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from dflash_jax.mxfp4 import dequantize_pair
+    from dflash_jax.loading.mxfp4 import dequantize_pair
 
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (3, 40, 5, 16), dtype=np.uint8)
@@ -312,7 +313,7 @@ def test_an_mxfp4_config_over_dense_experts_loads_them_dense(mxfp4_gpt_oss, tmp_
 
     from builders import edit_config
     from checkpoints_convert import convert
-    from dflash_jax.families.gpt_oss import MXFP4_QUANTIZATION
+    from dflash_jax.model.families.gpt_oss import MXFP4_QUANTIZATION
 
     hf, _ = mxfp4_gpt_oss
     hf_dense = tmp_path / "hf"
@@ -334,7 +335,7 @@ def test_an_mxfp4_config_over_dense_experts_loads_them_dense(mxfp4_gpt_oss, tmp_
 def test_half_an_mxfp4_pair_is_named(tmp_path):
     from safetensors.numpy import save_file
 
-    from dflash_jax.checkpoint import CheckpointError, iter_tensors
+    from dflash_jax.loading.checkpoint import CheckpointError, iter_tensors
 
     save_file({"model.layers.0.mlp.experts.down_proj_blocks": np.zeros((2, 32, 1, 16), np.uint8)},
               tmp_path / "model.safetensors")
@@ -387,7 +388,7 @@ def test_train_a_draft_for_a_gpt_oss_target_and_the_reference_runs_it(gpt_oss, t
     on the transformers target with our tokens and acceptance lengths."""
     import dflash.model as reference
 
-    from dflash_jax import train_draft
+    from dflash_jax.training import train_draft
 
     monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)
     hf, _, target = gpt_oss

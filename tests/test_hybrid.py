@@ -4,7 +4,7 @@ A verify runs the whole block through the Gated DeltaNet layers; after a partial
 states must be exactly the states after the accepted tokens. The oracle here is a cache-free
 DFlash (target and draft recomputed over the whole sequence every step: no state to roll
 back), not the PyPI reference, whose transformers path restores only the conv state after a
-partial accept and so diverges from the target's greedy output on hybrids (README).
+partial accept and so diverges from the target's greedy output on hybrids (docs/families.md).
 Forward parity with transformers (prefill, decode, verify) is in test_target.py; sampling
 exactness on a hybrid in test_sampling.py.
 """
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from builders import make_copy_draft, make_copy_target, make_target, save_draft, save_target, train_briefly
-from dflash_jax import target as target_model
-from dflash_jax.cache import allocate_pages, init_cache
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
+from dflash_jax.model import target as target_model
+from dflash_jax.model.cache import allocate_pages, init_cache
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
 
 MAX_NEW = 40
 PROMPT_LENS = (7, 9, 11, 14)
@@ -103,10 +103,10 @@ def test_acceptance_equals_a_cache_free_dflash(hybrid_pair):
 
 
 def test_the_pypi_reference_diverges_on_a_hybrid(hybrid_pair, monkeypatch):
-    """The known divergence (README): the PyPI reference's transformers path restores only the
+    """The known divergence (docs/families.md): the PyPI reference's transformers path restores only the
     conv state after a partial accept, so its greedy DFlash output leaves the target's greedy
     output, where ours and the cache-free DFlash keep it. If this fails, the reference was fixed:
-    it can become the oracle here again (and README says so no more)."""
+    it can become the oracle here again (and docs/families.md says so no more)."""
     import dflash.model as reference
 
     hf_target, hf_draft, target, draft = hybrid_pair
@@ -194,7 +194,7 @@ def test_train_a_draft_for_a_hybrid_target(tmp_path):
     cache-free DFlash, gives our tokens and acceptance lengths."""
     from dflash.model import DFlashDraftModel
 
-    from dflash_jax import train_draft
+    from dflash_jax.training import train_draft
 
     hf = make_target(seed=6, std=0.1, family="qwen3_5_release", vocab=96, hidden=32, layers=4, heads=2, kv_heads=1)
     target = load_target(save_target(hf, tmp_path / "target"), "float32")
@@ -216,7 +216,7 @@ def test_train_a_draft_for_a_hybrid_target(tmp_path):
 def test_prefill_in_chunks_changes_nothing(hybrid_pair, monkeypatch):
     """Prompts prefilled a few positions at a time (each chunk committed: ragged rows finish in
     different chunks) give the same tokens and acceptance as one pass."""
-    from dflash_jax import decode
+    from dflash_jax.runtime import decode
 
     _, _, target, draft = hybrid_pair
     prompts = _prompts(2)
@@ -235,8 +235,8 @@ def test_prefill_in_chunks_changes_nothing(hybrid_pair, monkeypatch):
 def test_commit_ignores_non_finite_uncommitted_tokens():
     """Tokens past a row's committed count never reach its state, even non-finite ones (β = 0
     and g = 0 alone would let 0 x NaN through)."""
-    from dflash_jax.nn import gated_deltanet
-    from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec, PendingBlock
+    from dflash_jax.model.nn import gated_deltanet
+    from dflash_jax.model.nn.gated_deltanet import GatedDeltaNetSpec, PendingBlock
 
     spec = GatedDeltaNetSpec(num_key_heads=1, num_value_heads=2, key_dim=16, value_dim=16)
     rows, length = BLOCK + 1, BLOCK
@@ -259,7 +259,7 @@ def test_commit_ignores_non_finite_uncommitted_tokens():
 
 
 def test_prefill_chunk_is_a_power_of_two_dividing_the_padded_prompt(monkeypatch):
-    from dflash_jax import decode
+    from dflash_jax.runtime import decode
 
     monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 8)
     assert decode.prefill_chunk(2, 4) == 4                                  # fits whole

@@ -332,7 +332,7 @@ ROPES = {"default": ("default", 1.0, True), "llama3-nonorm": ("llama3", 1.0, Fal
 
 def _rope_tables(name: str, positions, head_dim: int, dtype):
     """(cos, sin, normed) of RoPE variant ``name`` at ``positions`` [B, T]."""
-    from dflash_jax.nn.rope import RopeSpec, tables
+    from dflash_jax.model.nn.rope import RopeSpec, tables
 
     kind, fraction, normed = ROPES[name]
     scaling = {"llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -588,9 +588,9 @@ def _mxfp4(rng, num_experts: int, k: int, n: int) -> pk.Mxfp4Weight:
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_dequantize_mxfp4_matches_the_checkpoint_decoder(dtype):
     """The checkpoint's [E, N, K/32, 16] / [E, N, K/32] bytes, laid out as the kernels read them,
-    decode to dflash_jax.mxfp4's values bit for bit over every code and every scale in [2, 254]
+    decode to dflash_jax.loading.mxfp4's values bit for bit over every code and every scale in [2, 254]
     (up to 6 * 2^127, which overflows to inf in both)."""
-    from dflash_jax import mxfp4
+    from dflash_jax.loading import mxfp4
     rng = _rng("mxfp4-dequantize", dtype)
     num_experts, n, k = 3, 40, 256
     blocks = rng.integers(0, 256, (num_experts, n, k // 32, 16), dtype=np.uint8)

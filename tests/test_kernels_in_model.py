@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DraftConfig, ModelConfig, uniform_config
-from dflash_jax.generate import generate
-from dflash_jax.nn.gated_deltanet import GatedDeltaNetSpec
-from dflash_jax.nn.rope import RopeSpec
-from dflash_jax.models import Draft, Target
-from dflash_jax.params import init_draft_params, init_target_params
+from dflash_jax.model.config import DraftConfig, ModelConfig, uniform_config
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.model.nn.gated_deltanet import GatedDeltaNetSpec
+from dflash_jax.model.nn.rope import RopeSpec
+from dflash_jax.loading.models import Draft, Target
+from dflash_jax.model.params import init_draft_params, init_target_params
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16)
 TARGET = uniform_config(num_layers=3, **SHAPE)
@@ -92,7 +92,7 @@ def test_gqa_group_that_is_not_a_power_of_two():
 def test_dispatch_point(monkeypatch):
     """auto: the kernels AUTO_KERNELS lists, where the device can run them; pallas there only,
     with the reason elsewhere; interpret runs anywhere; anything else is refused."""
-    from dflash_jax.ops import AUTO_KERNELS, resolve_impl
+    from dflash_jax.model.ops import AUTO_KERNELS, resolve_impl
     from pallas_kernels import tuning
     able = tuning.kernel_device_problem() is None
     if jax.default_backend() == "cpu":  # CI

@@ -1,4 +1,4 @@
-"""Several processes joined into one runtime (``dflash_jax.distributed``): two CPU processes of one
+"""Several processes joined into one runtime (``dflash_jax.runtime.distributed``): two CPU processes of one
 device each run ``python -m dflash_jax.generate --tp 2`` over both, as two hosts would, and give
 what one process gives at --tp 1; the flags that join them are checked before anything starts."""
 
@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 from builders import make_copy_draft, make_copy_target, save_draft, save_target
 
-from dflash_jax import distributed, generate
+from dflash_jax.runtime import distributed
+
+from dflash_jax.entrypoints import arguments, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t9 t13 t17 t21 t25 t29 t33"  # longer than the copy period: the draft is often right
-TIMEOUT = 120  # seconds a process may take before the test kills them all
+TIMEOUT = 900  # seconds a process may take before the test kills them all (generous: CI machines are loaded)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +159,7 @@ def test_bad_process_flags_are_one_error_line_before_anything_starts(monkeypatch
 def test_process_flags_fall_back_to_the_environment(monkeypatch):
     """Each flag's environment variable stands in for it; a flag wins over its variable; neither
     set means one process (nothing to join)."""
-    parser = generate._parser()
+    parser = arguments.generate_parser()
     for variable in distributed.ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)
     assert distributed.processes(parser.parse_args([])) is None

@@ -21,9 +21,9 @@ import torch
 from scipy import stats
 
 from builders import as_dflash2, make_target, make_zlab_draft, save_draft, save_target
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.sampling import (SamplingConfig, SamplingRows, accept_greedy, accept_sampling, choose, sample_probs,
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.runtime.sampling import (SamplingConfig, SamplingRows, accept_greedy, accept_sampling, choose, sample_probs,
                                  sampling_probs, split_keys)
 
 
@@ -536,7 +536,7 @@ def test_row_keys_draw_each_row_from_its_own_stream():
 def test_engine_requests_with_their_own_settings_sample_exactly(tiny):
     """The serving engine, sampled requests (each its own seed) sharing batches with greedy ones:
     the sampled tokens are exact in distribution, the greedy requests give greedy tokens."""
-    from dflash_jax.engine import Engine, RequestParams
+    from dflash_jax.runtime.engine import Engine, RequestParams
 
     config = SAMPLING_CASES["t0.8-top_k5-top_p0.9"]
     joint3, t4 = _exact(tiny[3], tiny[2], config.temperature, config.top_p, config.top_k)

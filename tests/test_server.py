@@ -4,6 +4,7 @@ settings, streaming, chat, metrics, disconnects, errors; and ``python -m dflash_
 a user starts and stops it."""
 
 import concurrent.futures
+import logging
 import os
 import signal
 import socket
@@ -18,11 +19,11 @@ import pytest
 import torch
 from builders import write_chat_pair
 
-from dflash_jax.engine import Engine, RequestParams
-from dflash_jax.generate import generate
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.server import BackgroundServer
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.runtime.engine import Engine, RequestParams
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.entrypoints.server import BackgroundServer
+from dflash_jax.loading.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -54,7 +55,7 @@ class _Server(BackgroundServer):
         super().__init__(engine, MODEL)
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics").text
@@ -164,7 +165,7 @@ def test_models_health_and_metrics(server):
 
 
 def test_errors_have_openai_shape(server):
-    post = lambda body, **kw: httpx.post(server.url + "/v1/completions", timeout=30, **kw)  # noqa: E731
+    post = lambda body, **kw: httpx.post(server.url + "/v1/completions", timeout=600, **kw)  # noqa: E731
     bad = post(None, content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     for body, named in [({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "max_tokens": 0},
@@ -181,13 +182,42 @@ def test_errors_have_openai_shape(server):
     assert unknown.status_code == 404 and "gpt-4" in unknown.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL, prompt="x", temperature=-1)
+    json_object = "the request body must be a JSON object (Content-Type: application/json), got "
+    for response, status, message in [
+        (httpx.get(server.url + "/v1/nothing"), 404, "there is no route /v1/nothing (the routes: GET /health, "),
+        (httpx.get(server.url + "/v1/completions"), 405, "/v1/completions does not take GET, only POST"),
+        (post(None, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}), 400,
+         json_object + "Content-Type: text/plain"),
+        (post(None, json=["x"]), 400, json_object + "a list"),
+        (post(None, json={"prompt": "x", "max_tokens": 1e30}), 400,
+         "max_tokens must be an integer >= 1 (with the prompt's tokens, at most 160), got 1e+30"),
+        (post(None, json={"prompt": "x", "n": 0}), 400, "n must be an integer in [1, 128], got 0"),
+    ]:
+        error = response.json()["error"]
+        assert (response.status_code, error["code"]) == (status, status) and error["message"].startswith(message), \
+            error
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_chat_without_a_template_points_to_completions(model_dirs, server, tmp_path, monkeypatch):
+    """A model without a chat template refuses chat completions by saying what to send instead (the
+    server has no --chat flag to drop, which generate's message names)."""
+    folder = tmp_path / "untemplated"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dirs[0] / "tokenizer.json").read_bytes())
+    monkeypatch.setattr(server.engine, "tokenizer", Tokenizer(folder))
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=600,
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"] == {
+        "message": f"{MODEL} has no chat template, so it takes no chat completions: send the text to "
+                   "/v1/completions as its prompt", "type": "BadRequestError", "param": "messages", "code": 400}
 
 
 def test_a_full_queue_answers_503(models):
     with _Server(_engine(models, max_num_seqs=1, max_waiting=1)) as running:
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 140, "temperature": 0, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda _: httpx.post(running.url + "/v1/completions", json=body, timeout=120),
+            answers = list(pool.map(lambda _: httpx.post(running.url + "/v1/completions", json=body, timeout=600),
                                     range(4)))
         codes = sorted(a.status_code for a in answers)
         assert codes[0] == 200 and codes[-1] == 503, codes
@@ -196,17 +226,18 @@ def test_a_full_queue_answers_503(models):
 
 
 def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
-    """What a user runs: the module with its flags; SIGTERM lets the request finish and exits 0."""
+    """What a user runs: the module with its flags; SIGTERM lets the request finish and exits 0. On
+    a CPU it defaults to float32 and a small pool (4 slots of at most 512 tokens: the tiny
+    target's 256 positions here)."""
     port = _free_port()
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
            "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
     command = [sys.executable, "-m", "dflash_jax.serve", "--target", str(model_dirs[0]), "--draft", str(model_dirs[1]),
-               "--port", str(port), "--dtype", "float32", "--impl", "reference", "--max-model-len", "128",
-               "--max-num-seqs", "2", "--served-model-name", MODEL, "--log-level", "warning"]
+               "--port", str(port), "--impl", "reference", "--served-model-name", MODEL, "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 900
         while True:
             assert process.poll() is None, process.communicate()[1]
             try:
@@ -217,13 +248,14 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.25)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(httpx.post, url + "/v1/completions", timeout=120,
+            answer = pool.submit(httpx.post, url + "/v1/completions", timeout=600,
                                  json={"prompt": "def", "max_tokens": 100, "temperature": 0, "ignore_eos": True})
             time.sleep(0.5)
             process.send_signal(signal.SIGTERM)
             response = answer.result()
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
         assert process.wait(60) == 0
+        assert "float32; 4 requests at a time, up to 256 tokens each" in process.communicate()[1]
     finally:
         if process.poll() is None:
             process.kill()
@@ -234,7 +266,7 @@ def test_logprobs_equal_the_target_log_softmax(models, model_dirs, server):
     log-softmax (transformers, whole sequence) at each emitted token, streamed or not."""
     from transformers import Qwen3ForCausalLM
 
-    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.runtime.sampling import SamplingConfig
 
     hf = Qwen3ForCausalLM.from_pretrained(model_dirs[0]).float().eval()
     target, draft, tokenizer = models
@@ -255,7 +287,7 @@ def test_logprobs_equal_the_target_log_softmax(models, model_dirs, server):
     # the sampled tokens' ids: the same seeded request through the engine directly
     request = server.engine.submit(ids, RequestParams(max_tokens=12, sampling=SamplingConfig(temperature=0.7), seed=3,
                                                       ignore_eos=True, logprobs=2))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600
     while not request.finished:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -342,10 +374,11 @@ def test_a_stop_string_across_two_outputs_is_held_back_and_never_sent(models):
     assert "".join(o.text for o in outputs) == pieces[i + 1][:pieces[i + 1].find(stop)]
 
 
-def test_a_dropped_client_cancels_its_request(models):
+def test_a_dropped_client_cancels_its_request(models, caplog):
     """A client that drops a stream, or stops waiting for a whole answer, cancels its request:
-    it ends with "abort" long before its max_tokens and its pages come back (the page gauge at
-    its idle value)."""
+    it ends with "abort" long before its max_tokens, its pages come back (the page gauge at its
+    idle value), and the log has its line as a finished request's."""
+    caplog.set_level(logging.INFO, logger="dflash_jax.entrypoints.server")
     engine = _engine(models, with_draft=False, chunk_steps=1)
     submitted, submit, step = [], engine.submit, engine.step
     engine.submit = lambda *a, **k: submitted.append(submit(*a, **k)) or submitted[-1]
@@ -358,14 +391,35 @@ def test_a_dropped_client_cancels_its_request(models):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
     with _Server(engine) as running:
         with httpx.stream("POST", running.url + "/v1/completions", json={**body, "stream": True},
-                          timeout=60) as response:
+                          timeout=600) as response:
             next(response.iter_lines())
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(running.url + "/v1/completions", json=body, timeout=0.3)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600
         while not (len(submitted) == 2 and all(r.finished for r in submitted)) or engine.pages_in_use:
             assert time.monotonic() < deadline, [r.finish_reason for r in submitted]
             time.sleep(0.05)
         assert [r.finish_reason for r in submitted] == ["abort", "abort"]
         assert all(len(r.token_ids) < 150 for r in submitted)
+        lines = [record.getMessage() for record in caplog.records if "finish=cancelled" in record.getMessage()]
+        assert sorted(line.split()[1] for line in lines) == sorted(r.id for r in submitted), lines
         assert running.metric("dflash:kv_cache_pages_used") == 0 and running.metric("dflash:num_requests_running") == 0
+
+
+def test_the_server_log_leaves_out_jax_s_info_lines(monkeypatch):
+    """At --log-level info the server logs its requests, not jax's info lines (on every machine
+    without a TPU: "Unable to initialize backend 'tpu'"); jax's warnings still show, and at debug
+    everything does."""
+    from dflash_jax.entrypoints import serve
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **settings: None)  # pytest's handlers stay
+    backend = logging.getLogger("jax._src.xla_bridge")
+    before = {name: logging.getLogger(name).level for name in ("jax", "jaxlib")}
+    try:
+        serve._log_to_stderr("info")
+        assert not backend.isEnabledFor(logging.INFO) and backend.isEnabledFor(logging.WARNING)
+        serve._log_to_stderr("debug")
+        assert backend.isEnabledFor(logging.DEBUG)
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)

@@ -3,7 +3,7 @@ scaling and biases, Qwen3MoeForCausalLM with dense and sparse layers) on the sam
 weights.
 
 Each config is written with ``save_pretrained`` (config.json optionally rewritten in older
-styles) and loaded with ``dflash_jax.models.load_target``. Logits of a ragged, right-padded
+styles) and loaded with ``dflash_jax.loading.models.load_target``. Logits of a ragged, right-padded
 prefill, of single-token decode steps after it and of a 4-token verify chunk must equal HF's
 logits of the full sequence (f32); tapped layer outputs must equal HF ``hidden_states[k+1]``;
 greedy generation must equal ``model.generate(do_sample=False)``; pages handed out in a random
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from builders import decoder_layers, make_target, save_target
-from dflash_jax import target as target_model
-from dflash_jax.cache import allocate_pages, init_cache
-from dflash_jax.generate import generate
-from dflash_jax.models import load_target
+from dflash_jax.model import target as target_model
+from dflash_jax.model.cache import allocate_pages, init_cache
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import load_target
 
 # name -> (architecture kwargs, save kwargs)
 CONFIGS = {
@@ -175,7 +175,7 @@ def _check_against_hf(case, config, results):
 
 
 def test_config_parsed_like_hf(case, loaded):
-    from dflash_jax.nn.moe import MoESpec
+    from dflash_jax.model.nn.moe import MoESpec
     hf = case["hf"].config.get_text_config()
     config = loaded.config
     assert config.family == case["arch"].get("family", "qwen3")
@@ -279,6 +279,6 @@ def test_bf16_params_within_bf16_tolerance(case):
 def test_rope_frequencies_round_as_transformers(theta, head_dim):
     """The inverse frequencies are HF's f32 ones (a 1-ulp difference grows with the position:
     4e-3 of phase at 32k), all but at most one whose f32 pow torch rounds the other way."""
-    from dflash_jax.nn.rope import RopeSpec
+    from dflash_jax.model.nn.rope import RopeSpec
     hf = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
     assert int((RopeSpec(theta=theta, rotary_dim=head_dim).inv_freq() != hf.numpy()).sum()) <= 1

@@ -19,9 +19,9 @@ import optax
 import pytest
 import torch
 
-from dflash_jax import data, train_draft, train_target
-from dflash_jax.models import load_draft, load_target
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.training import data, train_draft, train_target
+from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.loading.tokenizer import Tokenizer
 from pallas_kernels.verify_attention import masked_gqa_attention
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -93,7 +93,7 @@ def test_draft_loss_by_hand(random_pair):
     """The loss is the weighted mean cross entropy of the draft's logits for block slots 1..B-1
     (the slots inference reads; slot 0 holds the anchor's known token) against the next tokens,
     weights exp(-k / gamma) where a label is supervised."""
-    from dflash_jax import draft as draft_model
+    from dflash_jax.model import draft as draft_model
 
     target, draft = random_pair.target, random_pair.draft
     config = dataclasses.replace(draft.config, block_size=4)
@@ -559,15 +559,15 @@ def test_small_corpus_folders_hold_out_one_file(tmp_path):
 
 
 def test_regenerate_generates_each_prompt_once(monkeypatch):
-    import dflash_jax.generate
+    import dflash_jax.entrypoints.generate
 
     batches = []
 
     def fake_generate(target, prompts, *, max_new_tokens, **kwargs):
         batches.append(len(prompts))
-        return dflash_jax.generate.GenerationResult([[7] * n for n in max_new_tokens], None)
+        return dflash_jax.entrypoints.generate.GenerationResult([[7] * n for n in max_new_tokens], None)
 
-    monkeypatch.setattr(dflash_jax.generate, "generate", fake_generate)
+    monkeypatch.setattr(dflash_jax.entrypoints.generate, "generate", fake_generate)
     monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
     rows = train_draft.regenerate(None, [[1, 2]] * 5, seq_len=6, temperature=0.0, batch_size=2, pad_id=0)
     assert batches == [2, 2, 1] and len(rows) == 5 and rows.loss_mask.sum() == 5 * 4
@@ -690,7 +690,7 @@ def test_interrupted_regeneration_goes_on_from_its_last_finished_batch(tmp_path,
     seeds, and gives the rows an uninterrupted run gives; another record starts afresh."""
     import functools
 
-    import dflash_jax.generate
+    import dflash_jax.entrypoints.generate
 
     seeds, fail_at = [], {"call": 3}
 
@@ -698,9 +698,9 @@ def test_interrupted_regeneration_goes_on_from_its_last_finished_batch(tmp_path,
         seeds.append(seed)
         if len(seeds) == fail_at["call"]:
             raise KeyboardInterrupt
-        return dflash_jax.generate.GenerationResult([[seed + 1] * n for n in max_new_tokens], None)
+        return dflash_jax.entrypoints.generate.GenerationResult([[seed + 1] * n for n in max_new_tokens], None)
 
-    monkeypatch.setattr(dflash_jax.generate, "generate", fake_generate)
+    monkeypatch.setattr(dflash_jax.entrypoints.generate, "generate", fake_generate)
     monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
     make = functools.partial(train_draft.regenerate, None, [[1, 2]] * 5, seq_len=4, temperature=0.0,
                              batch_size=2, pad_id=0)
@@ -771,7 +771,7 @@ def test_export_round_trip_same_draft_logits(trained):
 def test_reference_dflash_generate_matches_ours(trained, monkeypatch):
     import dflash.model as reference
 
-    from dflash_jax.generate import generate
+    from dflash_jax.entrypoints.generate import generate
 
     monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)   # no CUDA on CPU
     root = trained[0]
@@ -861,7 +861,7 @@ def test_schedule_and_time_budget(tmp_path):
 def test_corpus_special_token_strings_stay_text_and_dangling_links_are_skipped(tmp_path):
     """Source code that spells a special token trains on its text, not on the control token; a
     dangling *.py link or a folder named *.py is not a corpus file."""
-    from dflash_jax.generate import DEFAULT_MODEL
+    from dflash_jax.entrypoints.generate import DEFAULT_MODEL
 
     tokenizer = data.load_tokenizer(DEFAULT_MODEL / "target")
     eos = tokenizer.token_to_id(data.EOS_TOKEN)
@@ -904,7 +904,7 @@ def test_training_refuses_a_compile_cache_it_cannot_write(command, tmp_path, cap
 
 
 # ---------------------------------------------------------------------------------------------
-# What a mutation round found unpinned (session 21): seeds, metrics, the optimizer, held-out data.
+# What mutation testing found unpinned (2026-11-26): seeds, metrics, the optimizer, held-out data.
 
 def test_gradients_are_clipped_and_only_matrices_decay():
     """AdamW sees gradients clipped to ``clip`` global norm (its first moment after one step is
@@ -927,7 +927,7 @@ def test_gradients_are_clipped_and_only_matrices_decay():
 def test_draft_metrics_count_supervised_labels_only(random_pair):
     """position_accuracy and the τ proxy count a block position only where its label is supervised:
     a prediction that equals an unsupervised label is not a hit."""
-    from dflash_jax import draft as draft_model
+    from dflash_jax.model import draft as draft_model
 
     target, draft = random_pair.target, random_pair.draft
     config = dataclasses.replace(draft.config, block_size=4)

@@ -30,15 +30,15 @@ from scipy import stats
 from builders import (as_dflash2, hybrid_config, make_copy_draft, make_copy_target, make_target, make_zlab_draft,
                       qwen3_moe_config, save_draft, save_mxfp4_gpt_oss, save_speculators_draft, save_target,
                       write_tokenizer)
-from dflash_jax import generate as generate_cli
-from dflash_jax import target as target_model
-from dflash_jax.cache import allocate_pages, init_cache
-from dflash_jax.generate import generate
-from dflash_jax.models import Draft, Target, load_draft, load_target, split_draft, split_target
-from dflash_jax.nn.tensor_parallel import gather_vocab, vocab_argmax
-from dflash_jax.sampling import (SamplingConfig, SamplingRows, accept_sampling, sample_probs, sampling_probs,
+from dflash_jax.entrypoints import generate as generate_cli
+from dflash_jax.model import target as target_model
+from dflash_jax.model.cache import allocate_pages, init_cache
+from dflash_jax.entrypoints.generate import generate
+from dflash_jax.loading.models import Draft, Target, load_draft, load_target, split_draft, split_target
+from dflash_jax.model.collectives import gather_vocab, vocab_argmax
+from dflash_jax.runtime.sampling import (SamplingConfig, SamplingRows, accept_sampling, sample_probs, sampling_probs,
                                  token_logprobs)
-from dflash_jax.sharding import (TensorParallel, is_layout, local_config, make_mesh, specs, target_layout,
+from dflash_jax.model.sharding import (TensorParallel, is_layout, local_config, make_mesh, specs, target_layout,
                                  unsharded)
 
 if jax.device_count() < 4:   # run on its own (the main suite's conftest does not collect this folder)
@@ -481,7 +481,7 @@ def _cli(*args, devices: int):
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
     return subprocess.run([sys.executable, "-m", "dflash_jax.generate", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_cli_tp_2_on_two_cpu_devices_prints_what_tp_1_prints(cli_models, tmp_path):
@@ -633,7 +633,7 @@ def test_cli_tp_4_dequantises_mxfp4_experts_that_cannot_split_kept(tmp_path, cap
 def test_split_selector_candidates_are_one_devices():
     """DFlash2's selector under a split vocabulary: each shard's best k, gathered, give one
     device's top k, ties to the lower id (logits rounded to a few values: many ties)."""
-    from dflash_jax.selector import top_candidates
+    from dflash_jax.model.selector import top_candidates
 
     logits = jnp.round(jax.random.normal(jax.random.key(5), (3, 7, 64)) * 2) / 2
     unary, ids = top_candidates(logits, 6)
@@ -682,7 +682,7 @@ def test_the_engine_split_serves_what_one_device_does(copy_pair):
     prefill): greedy rows give one device's tokens; a sampled row's log-probabilities are one
     device's log-softmax at its tokens (the split draw itself differs from one device's: its
     noise is drawn per shard, exact in distribution, tested above)."""
-    from dflash_jax.engine import Engine, RequestParams
+    from dflash_jax.runtime.engine import Engine, RequestParams
 
     params = [RequestParams(max_tokens=DFLASH_NEW) for _ in copy_pair.prompts]
     sampled = RequestParams(max_tokens=10, sampling=SamplingConfig(temperature=0.9, top_k=5), seed=4, logprobs=2)

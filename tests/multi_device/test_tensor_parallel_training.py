@@ -13,10 +13,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from builders import make_target, save_target
-from dflash_jax import data, train_draft
-from dflash_jax.models import load_target
-from dflash_jax.sharding import TensorParallel, make_mesh
-from dflash_jax.train_target import OptimConfig
+from dflash_jax.training import data, train_draft
+from dflash_jax.loading.models import load_target
+from dflash_jax.model.sharding import TensorParallel, make_mesh
+from dflash_jax.training.train_target import OptimConfig
 
 if jax.device_count() < 4:   # run on its own (the main suite's conftest does not collect this folder)
     pytest.skip("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4, as "
@@ -55,7 +55,7 @@ def test_the_benchmark_times_split_models_on_cpu(tmp_path):
         done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--shape", "tiny",
                                "--out", str(tmp_path), "--tp", "2", *extra, "--skip", "parts", "--batches", "1",
                                "--contexts", "16", "--blocks", "4", "--alphas", "0.86", "--repeats", "1"],
-                              capture_output=True, text=True, cwd=ROOT, timeout=600)
+                              capture_output=True, text=True, cwd=ROOT, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "tiny | tp 2" + (", draft replicated" if extra else " |") in done.stdout
         assert "bs1_ctx16_block4_alpha0.86" in done.stdout
@@ -68,7 +68,7 @@ def test_the_profiler_profiles_split_models_on_cpu(tmp_path):
     kernels on a CPU: the run, not the kernel table, is what is checked here)."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--shape", "tiny", "--tp", "2",
                            "--steps", "2", "--top", "1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["decode"]["traced_wall_ms_per_step"] > 0 and report["dflash"]["traced_wall_ms_per_step"] > 0

@@ -1,0 +1,1 @@
+"""Front ends: the library's ``generate()`` and its command line, the OpenAI-compatible server."""

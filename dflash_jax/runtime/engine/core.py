@@ -1,0 +1,301 @@
+"""The engine: requests in from any thread, one engine step at a time driving the parts (the
+scheduler, the device state, the output processor)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+
+from dflash_jax.loading.models import Draft, Target
+from dflash_jax.loading.tokenizer import TextStream, Tokenizer
+from dflash_jax.model.cache import check_page_size
+from dflash_jax.model.kernel_shapes import check_kernel_shapes
+from dflash_jax.runtime.decode import LoopConfig, PrefillOutput, bucket, default_steps_per_check
+from dflash_jax.runtime.engine.device import Device, DispatchedChunk, default_num_pages
+from dflash_jax.runtime.engine.output import EngineStats, OutputProcessor
+from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request, RequestOutput, RequestParams
+from dflash_jax.runtime.engine.scheduler import QueueFullError, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous batching over ``max_num_seqs`` slots (the package docstring). ``submit`` from
+    any thread; ``step`` (or ``start``: a background thread calling it) drives the device.
+
+    max_model_len: prompt + generated tokens a request may hold (default: the target's
+    max_position_embeddings); num_pages: the KV pages of the pool (default: enough for every
+    slot at max_model_len); prefill_chunk: prompt tokens a row runs per engine step;
+    prefill_rows: requests prefilled together per step; chunk_steps: decode steps per chunk;
+    max_waiting: requests the queue holds before ``submit`` refuses; top_k_cap: the largest top_k
+    a request may sample with; max_logprobs: the most top log-probabilities a request may ask
+    for (computed only while a running request asks). accept_replay (benchmarks only): each draft
+    token is accepted with this probability instead of by the target (``decode.LoopConfig``)."""
+
+    def __init__(self, target: Target, draft: Draft | None = None, tokenizer: Tokenizer | None = None, *,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, num_pages: int | None = None,
+                 page_size: int = 16, block_size: int | None = None, chunk_steps: int = 8,
+                 steps_per_check: int | None = None, prefill_chunk: int = 512, prefill_rows: int = 8,
+                 max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
+                 stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
+                 accept_replay: float | None = None):
+        config = target.config
+        for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size), ("chunk_steps", chunk_steps),
+                            ("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
+                            ("max_waiting", max_waiting), ("top_k_cap", top_k_cap)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_page_size(config, page_size)
+        if draft is not None:
+            draft.config.check_target(config)
+            block_size = draft.config.block_size if block_size is None else block_size
+            if draft.tensor_parallel != target.tensor_parallel:
+                raise ValueError("the draft and the target must be on the same mesh")
+        elif block_size not in (None, 1):
+            raise ValueError("block_size needs a draft")
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        if accept_replay is not None and (draft is None or not 0 <= accept_replay <= 1):
+            raise ValueError(f"accept_replay needs a draft and a probability in [0, 1], got {accept_replay}")
+        self.config = LoopConfig(target=config, draft=None if draft is None else draft.config,
+                                 block_size=1 if block_size is None else block_size, impl=impl,
+                                 accept_replay=accept_replay is not None, tensor_parallel=target.tensor_parallel)
+        local = self.config if target.tensor_parallel is None else self.config.local()
+        check_kernel_shapes(impl, [local.target] + ([local.draft.model] if draft is not None else []), page_size,
+                            self.config.block_size, target.params.embed.dtype.itemsize)
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
+        if not 2 <= self.max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}] (the target's "
+                             f"max_position_embeddings), got {self.max_model_len}")
+        self.page_size, self.slots = page_size, max_num_seqs
+        self.pages_per_seq = math.ceil((self.max_model_len + self.config.block_size) / page_size)
+        if num_pages is not None and num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages or default_num_pages(target, draft, slots=max_num_seqs,
+                                                        pages_per_seq=self.pages_per_seq, page_size=page_size,
+                                                        max_model_len=self.max_model_len)
+        self.chunk_steps = chunk_steps
+        self.steps_per_check = steps_per_check or default_steps_per_check(chunk_steps)
+        self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
+        self.prefill_rows, self.max_waiting, self.top_k_cap = prefill_rows, max_waiting, top_k_cap
+        if not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
+        self.eos_ids = list(stop_token_ids if stop_token_ids is not None
+                            else (tokenizer.stop_token_ids if tokenizer is not None else []))
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._in_flight: DispatchedChunk | None = None     # the chunk dispatched and not yet delivered
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = True
+        self.stats = EngineStats(accepted_per_position=[0] * max(self.config.block_size - 1, 0))
+        self.scheduler = Scheduler(slots=max_num_seqs, num_pages=self.num_pages, page_size=page_size,
+                                   block_size=self.config.block_size, max_waiting=max_waiting)
+        self.output = OutputProcessor(tokenizer, self.eos_ids, self.stats, release=self._release,
+                                      draft_tokens=None if draft is None else self.config.block_size - 1)
+        self.device = Device(target, draft, self.config, slots=max_num_seqs, num_pages=self.num_pages,
+                             page_size=page_size, pages_per_seq=self.pages_per_seq, max_model_len=self.max_model_len,
+                             chunk_steps=chunk_steps, steps_per_check=self.steps_per_check,
+                             prefill_chunk=self.prefill_chunk, top_k_cap=top_k_cap, max_logprobs=max_logprobs,
+                             eos_ids=self.eos_ids, seed=seed, accept_replay=accept_replay)
+
+    # ------------------------------------------------------------------ requests
+
+    def check_request(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
+        """ValueError naming what is wrong with a request, before it is queued."""
+        vocab = self.target.config.vocab_size
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab})")
+        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens: with max_tokens {params.max_tokens} it needs "
+                             f"{len(prompt_ids) + params.max_tokens}, more than the maximum context length "
+                             f"{self.max_model_len}")
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(params.stop_token_ids)}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine has none)")
+        if any(not isinstance(s, str) or not s for s in params.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if params.sampling.top_k > self.top_k_cap and not params.sampling.greedy:
+            raise ValueError(f"top_k must be at most {self.top_k_cap} (this engine's top_k_cap), got "
+                             f"{params.sampling.top_k}")
+        if params.logprobs is not None and not 0 <= params.logprobs <= self.max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {self.max_logprobs}] (this engine's max_logprobs), got "
+                             f"{params.logprobs}")
+        pages = self.scheduler.pages_for(len(prompt_ids), params.max_tokens)
+        if pages > self.num_pages:
+            raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, more than the engine's "
+                             f"{self.num_pages}")
+
+    def submit(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams(), *,
+               request_id: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+        """Queue a request (ValueError for a bad one, QueueFullError when the queue is full or
+        the engine is stopping). ``on_output`` is called from the engine's thread with each
+        ``RequestOutput``; it must not block."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(prompt_ids, params)
+        number = next(self._ids)
+        request = Request(id=request_id or f"req-{number}", number=number, prompt_ids=prompt_ids, params=params,
+                          on_output=on_output or (lambda output: None))
+        if self.tokenizer is not None:
+            request.stream = TextStream(self.tokenizer)
+        with self._lock:
+            if not self._accepting:
+                raise QueueFullError("the engine is shutting down")
+            self.scheduler.enqueue(request)
+            self._lock.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (it finishes with "abort" and frees its pages at the next step)."""
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify_all()
+
+    @property
+    def accepting(self) -> bool:
+        """False once ``stop`` was called: new requests are refused."""
+        return self._accepting
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.scheduler.pages_in_use
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting) or self.num_running > 0 or self._in_flight is not None
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> bool:
+        """One engine step: settle cancellations, admit, one prefill chunk, dispatch a decode
+        chunk and deliver the previous one's tokens. False when there was nothing to do."""
+        try:
+            with self._lock:
+                for request in self.scheduler.take_cancelled():
+                    self.output.finish(request, "abort")
+                admitted = self.scheduler.admit()
+                if admitted:
+                    self.device.admit(admitted, self.scheduler.running)
+            if not self.has_work():
+                return False
+            prefilled = self._prefill()
+            chunk = self._dispatch_chunk()
+            if prefilled is not None:
+                output, rows = prefilled
+                self.output.first_tokens(self.device.read(output), rows)
+            previous, self._in_flight = self._in_flight, chunk
+            if previous is not None:
+                self.output.chunk_tokens(self.device.read(previous.output), previous)
+        except Exception as error:  # noqa: BLE001 - every in-flight request learns of it, then it is raised
+            self._fail_all(f"{type(error).__name__}: {error}")
+            raise
+        return True
+
+    def run_until_done(self) -> None:
+        """Step until no request is waiting or running (the offline path)."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Step in a background thread until ``stop``."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._thread = threading.Thread(target=self._serve, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.has_work():
+                    self._lock.wait(timeout=0.5)
+                if self._stopping and not self.has_work():
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - logged; step aborted the requests it held
+                log.exception("engine step failed; the requests holding slots were aborted")
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; with ``drain`` finish the queued and running ones first, else
+        abort them; then end the background thread."""
+        with self._lock:
+            self._accepting = False
+            if not drain:
+                for request in list(self.scheduler.waiting) + self.scheduler.running:
+                    request.cancelled = True
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None
+
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> int:
+        """Compile what the first requests would otherwise wait for: the prefill shapes, the slot
+        updates (admit, grow, release) and the greedy decode chunk (``Device.warmup``). Returns
+        the number of programs run. Before any request is submitted. ``prompt_lengths``: only the
+        shapes prompts of these lengths use (a benchmark's fixed lengths); by default every
+        shape."""
+        if self.has_work():
+            raise RuntimeError("warmup runs before the first request")
+        return self.device.warmup(prompt_lengths, rows=min(self.prefill_rows, self.slots))
+
+    # ------------------------------------------------------------------ internals
+
+    def _prefill(self) -> tuple[PrefillOutput, list[Request]] | None:
+        """Dispatch one chunk of prompt tokens for up to ``prefill_rows`` requests still
+        prefilling; returns its output and those requests."""
+        rows = self.scheduler.prefilling(self.prefill_rows)
+        if not rows:
+            return None
+        output = self.device.prefill(rows)
+        self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in rows if r.decoding)
+        return output, rows
+
+    def _dispatch_chunk(self) -> DispatchedChunk | None:
+        """Grow pages for two chunks ahead (the host's counts lag one chunk), then dispatch a
+        decode chunk."""
+        owners = self.scheduler.decoding()
+        decoding = [r for r in owners if r is not None]
+        if not decoding:
+            return None
+        ahead = 2 * self.chunk_steps * self.config.block_size + self.config.block_size + 1
+        grown = self.scheduler.grow(decoding, {r: len(r.prompt_ids) + r.delivered + ahead for r in decoding})
+        if grown:
+            self.device.set_pages(grown)
+        return self.device.chunk(owners)
+
+    def _release(self, request: Request) -> None:
+        """A finishing request's slot and pages back (the slot freed on the device too)."""
+        slot = self.scheduler.release(request)
+        if slot is not None:
+            self.device.release(slot, self.scheduler.running)
+
+    def _fail_all(self, message: str) -> None:
+        """After a failed step: the device state rebuilt (a failed call may have consumed its
+        donated buffers), every request holding a slot finished with "abort" and ``message``;
+        the waiting ones stay queued."""
+        self._in_flight = None
+        self.device.reset()
+        for request in self.scheduler.running:
+            self.scheduler.release(request)             # the new state holds nothing of it
+            self.output.finish(request, "abort", error=message)

@@ -1,0 +1,262 @@
+"""The decode state on the device and the programs that change it.
+
+One ``DecodeState`` of ``slots`` rows stays on the device. Slot updates (admit, new page rows,
+release) are padded to one row per slot, so each is one compiled program however many requests
+it touches; prefill calls run one chunk of prompt tokens for several rows, each from its own
+start; a decode chunk cuts each slot's window of new tokens out on the device
+(``decode.engine_chunk``), so the host reads a few KB a chunk. Results are copied to the host
+asynchronously and read (``read``) one engine step later."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.loading.models import Draft, Target
+from dflash_jax.model.cache import cache_bytes_per_device, check_cache_fits, device_free_bytes, zeroed_cache
+from dflash_jax.model.sharding import replicated
+from dflash_jax.runtime.decode import (ChunkOutput, DecodeState, LoopConfig, PrefillOutput, TokenLogprobs, admit_slots,
+                                       bucket, engine_chunk, prefill_slots, release_slots, set_page_rows)
+from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request
+from dflash_jax.runtime.sampling import SamplingConfig, SamplingRows
+
+log = logging.getLogger(__name__)
+
+_COMPILE_EVENTS = {"/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration"}
+_compiles: list[tuple[float, float]] = []   # (when it ended, seconds): this process's compilations
+
+
+def _record_compile(event: str, seconds: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+        _compiles.append((time.monotonic(), seconds))
+
+
+jax.monitoring.register_event_duration_secs_listener(_record_compile)
+
+
+def compile_seconds(start: float, end: float) -> float:
+    """Seconds this process spent tracing and compiling between two ``time.monotonic()``s (an
+    engine compiles as new shapes come: timings subtract it)."""
+    return sum(seconds for when, seconds in _compiles if start <= when <= end)
+
+
+def default_num_pages(target: Target, draft: Draft | None, *, slots: int, pages_per_seq: int, page_size: int,
+                      max_model_len: int) -> int:
+    """Pages for every slot at max_model_len, or as many as 90% of the device's free memory
+    holds when that is fewer (at least one request of max_model_len, else ValueError)."""
+    every_slot = slots * pages_per_seq
+    free = device_free_bytes()
+    if free is None:
+        return every_slot
+    draft_model = None if draft is None else draft.config.model
+    table = jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32)
+    sized = [cache_bytes_per_device(jax.eval_shape(
+        lambda t, n=n: zeroed_cache(t, target.config, draft_model, n, page_size, target.params.embed.dtype, None),
+        table), target.tensor_parallel) for n in (1, 2)]
+    per_page, fixed = sized[1] - sized[0], 2 * sized[0] - sized[1]
+    fits = int((0.9 * free - fixed) // per_page)
+    if fits < pages_per_seq:
+        raise ValueError(f"the device has {free / 2**30:.2f} GiB free beside the weights: not even one request "
+                         f"of max_model_len {max_model_len} fits ({pages_per_seq} pages of "
+                         f"{per_page / 2**20:.2f} MiB): lower max_model_len")
+    if fits < every_slot:
+        log.warning("KV pool: %d pages (%d tokens) fit in 90%% of the free device memory, fewer than %d slots x "
+                    "max_model_len %d; requests wait for pages (lower max_model_len or max_num_seqs, or give "
+                    "num_pages)", fits, fits * page_size, slots, max_model_len)
+    return min(fits, every_slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedChunk:
+    """A decode chunk in flight: its output (windows starting at ``seen`` tokens and
+    ``seen_steps`` steps of each slot) and the decoding request of each slot when dispatched."""
+
+    output: ChunkOutput
+    owners: list[Request | None]
+    seen: np.ndarray
+    seen_steps: np.ndarray
+
+
+class Device:
+    """The decode state of ``slots`` slots over a pool of ``num_pages`` pages, and the calls of
+    the jitted programs on it (``decode``: admit_slots, set_page_rows, release_slots,
+    prefill_slots, engine_chunk)."""
+
+    def __init__(self, target: Target, draft: Draft | None, config: LoopConfig, *, slots: int, num_pages: int,
+                 page_size: int, pages_per_seq: int, max_model_len: int, chunk_steps: int, steps_per_check: int,
+                 prefill_chunk: int, top_k_cap: int, max_logprobs: int, eos_ids: list[int], seed: int,
+                 accept_replay: float | None):
+        self.target, self.draft, self.config = target, draft, config
+        self.slots, self.num_pages, self.page_size, self.pages_per_seq = slots, num_pages, page_size, pages_per_seq
+        self.max_model_len, self.chunk_steps, self.steps_per_check = max_model_len, chunk_steps, steps_per_check
+        self.prefill_chunk, self.top_k_cap, self.max_logprobs = prefill_chunk, top_k_cap, max_logprobs
+        self.eos_ids = eos_ids
+        self._key = jax.random.key(seed)
+        self._replay_alpha = None if accept_replay is None else replicated(jnp.float32(accept_replay),
+                                                                         target.tensor_parallel)
+        self.state = self.empty_state()
+
+    @property
+    def _draft_params(self):
+        return None if self.draft is None else self.draft.params
+
+    def empty_state(self) -> DecodeState:
+        """Every slot free: sentinel page rows, done, greedy defaults."""
+        b, tp = self.slots, self.target.tensor_parallel
+        width = self.chunk_steps * self.config.block_size
+        table = np.full((b, self.pages_per_seq), self.num_pages, np.int32)
+        draft_model = None if self.draft is None else self.draft.config.model
+        cache = zeroed_cache(jnp.asarray(table), self.target.config, draft_model, self.num_pages, self.page_size,
+                             self.target.params.embed.dtype, tp)
+        check_cache_fits(jax.eval_shape(lambda: cache), tp)
+        sampling = SamplingRows.stack([SamplingConfig()] * b)
+        rest = dict(tokens=jnp.zeros((b, self.max_model_len + 2 * width + 1), jnp.int32),
+                    num_generated=jnp.zeros((b,), jnp.int32), last_token=jnp.zeros((b,), jnp.int32),
+                    done=jnp.ones((b,), bool), max_new_tokens=jnp.ones((b,), jnp.int32),
+                    stop_tokens=jnp.full((b, MAX_STOP_TOKEN_IDS + len(self.eos_ids)), -1, jnp.int32),
+                    sampling=sampling, steps=jnp.zeros((b,), jnp.int32),
+                    accept_lengths=jnp.zeros((b, self.max_model_len + 2 * self.chunk_steps), jnp.int32),
+                    key=jax.random.split(self._key, b), iteration=jnp.zeros((), jnp.int32))
+        return DecodeState(cache=cache, **replicated(rest, tp))
+
+    def reset(self) -> None:
+        """A new empty state (after a failed call, which may have consumed the donated one)."""
+        self.state = None                      # its buffers go before new ones are made
+        self.state = self.empty_state()
+
+    def admit(self, admitted: list[Request], running: list[Request]) -> None:
+        """``admit_slots`` for the admitted requests (``running``: all those holding slots)."""
+        pad = self.slots - len(admitted)
+        settings = [r.params.sampling for r in admitted] + [SamplingConfig()] * pad
+        keys = jnp.stack([self._request_key(r) for r in admitted] + [self._key] * pad)
+        stops = np.full((self.slots, self.state.stop_tokens.shape[1]), -1, np.int32)
+        for row, request in enumerate(admitted):
+            ids = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else self.eos_ids)
+            stops[row, :len(ids)] = ids
+        inputs = (self._slot_rows(admitted), self._page_rows(admitted),
+                  jnp.asarray([r.params.max_tokens for r in admitted] + [0] * pad, jnp.int32), jnp.asarray(stops),
+                  SamplingRows.stack(settings), keys)
+        self.state = self._with_statics(admit_slots(self.state, *replicated(inputs, self.target.tensor_parallel)),
+                                        running)
+
+    def set_pages(self, grown: list[Request]) -> None:
+        """``set_page_rows`` for the requests that grew."""
+        self.state = set_page_rows(self.state, *replicated((self._slot_rows(grown), self._page_rows(grown)),
+                                                           self.target.tensor_parallel))
+
+    def release(self, slot: int, running: list[Request]) -> None:
+        """``release_slots`` for a slot given back (``running``: the requests still holding slots)."""
+        self.state = self._with_statics(release_slots(self.state, jnp.asarray([slot], jnp.int32)), running)
+
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """(rows, tokens) of a prefill call: rows a power of two, tokens a power of four from 16 up
+        to ``prefill_chunk`` (few shapes to compile; short remainders pad at most 4x)."""
+        chunk = 16
+        while chunk < min(longest, self.prefill_chunk):
+            chunk *= 4
+        return bucket(rows, per_doubling=1), min(chunk, self.prefill_chunk)
+
+    def prefill(self, rows: list[Request]) -> PrefillOutput:
+        """Dispatch the next chunk of each row's prompt (their ``prefilled`` counts advance)."""
+        count, chunk = self.prefill_shape(len(rows), max(len(r.prompt_ids) - r.prefilled for r in rows))
+        tokens = np.zeros((count, chunk), np.int32)
+        slots = np.full((count,), self.slots, np.int32)          # padding rows: out of range, write nothing
+        lens = np.zeros((count,), np.int32)
+        for row, request in enumerate(rows):
+            piece = request.prompt_ids[request.prefilled:request.prefilled + chunk]
+            tokens[row, :len(piece)] = piece
+            slots[row], lens[row] = request.slot, len(request.prompt_ids)
+        self.state, output = self._prefill_call(slots, tokens, lens)
+        jax.tree.map(lambda x: x.copy_to_host_async(), output)
+        for request in rows:
+            request.prefilled = min(len(request.prompt_ids), request.prefilled + chunk)
+        return output
+
+    def _prefill_call(self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray):
+        return prefill_slots(self.target.params, self._draft_params, self.state,
+                             *replicated((jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lens)),
+                                         self.target.tensor_parallel), config=self.config)
+
+    def chunk(self, owners: list[Request | None]) -> DispatchedChunk:
+        """Dispatch a decode chunk for the decoding requests (``owners``: each slot's, or None);
+        each slot's window of tokens starts at its request's delivered count."""
+        seen = np.asarray([0 if r is None else r.delivered for r in owners], np.int32)
+        seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)
+        self.state, output = engine_chunk(self.target.params, self._draft_params, self.state,
+                                          *replicated((jnp.asarray(seen), jnp.asarray(seen_steps)),
+                                                      self.target.tensor_parallel), self._replay_alpha,
+                                          config=self.config, num_steps=self.chunk_steps,
+                                          steps_per_check=self.steps_per_check)
+        jax.tree.map(lambda x: x.copy_to_host_async(), output)
+        return DispatchedChunk(output, owners, seen, seen_steps)
+
+    def read(self, output):
+        """A dispatched call's output on the host (waits for it)."""
+        return _on_host(output)
+
+    def warmup(self, prompt_lengths: Sequence[int] | None, rows: int) -> int:
+        """Compile the prefill shapes of up to ``rows`` rows (padding rows only, which write
+        nothing), the slot updates and the greedy decode chunk (every slot free: it returns at
+        once). ``prompt_lengths``: only the shapes prompts of these lengths use; by default every
+        shape. Returns the number of programs run."""
+        if prompt_lengths is None:
+            remainders = {1, 17, 65, 257, 1025, 4097, self.prefill_chunk}
+        else:
+            remainders = {length - start for length in prompt_lengths for start in range(0, length, self.prefill_chunk)}
+        shapes = sorted({self.prefill_shape(count, longest) for count in range(1, rows + 1) for longest in remainders})
+        for count, chunk in shapes:
+            self.state, _ = self._prefill_call(np.full((count,), self.slots, np.int32),
+                                               np.zeros((count, chunk), np.int32), np.zeros((count,), np.int32))
+        self.admit([], [])
+        self.set_pages([])
+        self.state = release_slots(self.state, *replicated((jnp.asarray([self.slots], jnp.int32),),
+                                                           self.target.tensor_parallel))
+        zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
+        self.state, _ = engine_chunk(self.target.params, self._draft_params, self.state, zeros, zeros,
+                                     self._replay_alpha, config=self.config, num_steps=self.chunk_steps,
+                                     steps_per_check=self.steps_per_check)
+        jax.block_until_ready(self.state)
+        return len(shapes) + 4
+
+    def _request_key(self, request: Request) -> jax.Array:
+        seed = request.params.seed
+        key = jax.random.fold_in(self._key, request.number) if seed is None else jax.random.key(seed)
+        return jax.random.fold_in(key, request.params.sample_index)
+
+    def _with_statics(self, state: DecodeState, running: list[Request]) -> DecodeState:
+        """The state's static choices for the requests holding slots: greedy when all are; the
+        top-k candidates capped at ``top_k_cap`` (one compiled variant for any top-k); the
+        log-probability buffers while one asks for them."""
+        statics = SamplingRows.statics([r.params.sampling for r in running], top_k_cap=self.top_k_cap)
+        state = state.replace(sampling=dataclasses.replace(state.sampling, **statics))
+        wanted = any(r.params.logprobs is not None for r in running)
+        if wanted and state.logprobs is None:
+            logprobs = TokenLogprobs.zeros(*state.tokens.shape, max(self.max_logprobs, 1))
+            state = state.replace(logprobs=replicated(logprobs, self.target.tensor_parallel))
+        elif not wanted and state.logprobs is not None:
+            state = state.replace(logprobs=None)
+        return state
+
+    def _slot_rows(self, requests: list[Request]) -> jax.Array:
+        """The requests' slots [slots]; the rows after them out of range (padding)."""
+        return jnp.asarray([r.slot for r in requests] + [self.slots] * (self.slots - len(requests)), jnp.int32)
+
+    def _page_rows(self, requests: list[Request]) -> jax.Array:
+        """The requests' page-table rows [slots, W]; the rows after them the sentinel page."""
+        table = np.full((self.slots, self.pages_per_seq), self.num_pages, np.int32)
+        for row, request in enumerate(requests):
+            table[row, :len(request.pages)] = request.pages
+        return jnp.asarray(table)
+
+
+def _on_host(tree):
+    """A tree of replicated device arrays as numpy (any local device's copy: several processes
+    each read their own)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
