@@ -43,6 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
 collect_ignore = [] if jax.device_count() >= 4 else ["multi_device"]
 
 
+# Tests that run whole programs in subprocesses for minutes: first, so that pytest-xdist's workers
+# start them early instead of ending the run waiting on one of them.
+LONG_FIRST = ("tests/test_tensor_parallel.py::test_tensor_parallel_on_four_cpu_devices",
+              "tests/test_notebooks.py::test_notebook_runs", "tests/test_multi_host.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """XLA:CPU maps every compiled program's code into the process (a few mappings per kernel),
