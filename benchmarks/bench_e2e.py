@@ -53,7 +53,8 @@ from dflash_jax.model import target as target_model  # noqa: E402
 from dflash_jax.model.cache import state_bytes_per_sequence  # noqa: E402
 from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, at_least, keep_compiled_programs, reported_as_errors  # noqa: E402
 from dflash_jax.runtime.decode import default_steps_per_check  # noqa: E402
-from dflash_jax.entrypoints.generate import PreparedGeneration, prepare, replay_alpha_array  # noqa: E402
+from dflash_jax.runtime.engine import Engine, RequestParams, compile_seconds  # noqa: E402
+from dflash_jax.runtime.generation import batch_engine  # noqa: E402
 from dflash_jax.loading.models import Draft, Target  # noqa: E402
 from dflash_jax.model.nn.moe import MoESpec  # noqa: E402
 from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
@@ -225,23 +226,31 @@ class Chunk:
     accept_lengths: np.ndarray
 
 
-def time_chunk(prep: PreparedGeneration, seed: int, alpha: float | None,
+def time_chunk(engine: Engine, prompts: list[list[int]], max_new: int, seed: int,
                trace_dir: Path | None = None) -> Chunk:
-    """Prefill the prepared prompts afresh (untimed; ``seed`` keys the replay's accept draws),
-    then time one chunk (under the JAX profiler, writing a Perfetto trace into ``trace_dir``,
-    when given)."""
-    state = jax.block_until_ready(prep.prefill(seed))
-    replay = replay_alpha_array(alpha, prep.config.tensor_parallel)
+    """Submit the prompts and run them to their first tokens (untimed; ``seed`` keys each
+    request's replayed accept draws), then time the engine step that runs one decode chunk
+    (under the JAX profiler, writing a Perfetto trace into ``trace_dir``, when given); the
+    requests are cancelled after."""
+    requests = [engine.submit(prompt, RequestParams(max_tokens=max_new, seed=seed, sample_index=i))
+                for i, prompt in enumerate(prompts)]
+    engine.prefill_waiting()
+    jax.block_until_ready(engine.device.state)
     traced = contextlib.nullcontext() if trace_dir is None else jax.profiler.trace(
         str(trace_dir), create_perfetto_trace=True)
     with traced:
         start = time.perf_counter()
-        state = jax.block_until_ready(prep.chunk(state, replay))
+        engine.step()                          # dispatches the chunk (nothing else is in flight)
+        jax.block_until_ready(engine.device.state)
         seconds = time.perf_counter() - start
-    steps, taken, accepted = jax.device_get((state.iteration, state.steps, state.accept_lengths))
-    if not (taken == steps).all():
-        raise RuntimeError(f"a sequence finished inside a timed chunk ({taken.tolist()} of {steps} steps)")
-    return Chunk(seconds, int(steps), accepted[:, :steps])
+    engine.step()                              # delivers its tokens (and dispatches one more chunk)
+    taken = [len(r.accept_lengths) for r in requests]
+    for request in requests:
+        engine.cancel(request)
+    engine.run_until_done()
+    if taken != [engine.chunk_steps] * len(requests):
+        raise RuntimeError(f"a sequence finished inside a timed chunk ({taken} of {engine.chunk_steps} steps)")
+    return Chunk(seconds, engine.chunk_steps, np.asarray([r.accept_lengths[:engine.chunk_steps] for r in requests]))
 
 
 def allreduce_seconds(mesh, rows: int, hidden: int, repeats: int, chain: int = 64) -> float:
@@ -282,15 +291,23 @@ def run_loop(target, draft, batch, context, block, steps, alphas, repeats, rng, 
     # max_new_tokens for every block size: the prefill is then the same program.
     max_new = steps * (draft.config.block_size if draft else 1) + 1
     steps_per_check = steps_per_check or default_steps_per_check(steps)
-    prep = prepare(target, prompts, draft=draft, block_size=block if draft else None,
-                   max_new_tokens=max_new, chunk_steps=steps, steps_per_check=steps_per_check,
-                   accept_replay=draft is not None, impl=impl)
+    engine = batch_engine(target, draft, [context] * batch, [max_new], block_size=block if draft else None,
+                          chunk_steps=steps, steps_per_check=steps_per_check, impl=impl,
+                          accept_replay=alphas[0] if draft else None)
     new_seed = lambda: int(rng.integers(2 ** 31))  # noqa: E731
     results = {}
-    for alpha in alphas:
-        time_chunk(prep, new_seed(), alpha)  # warm-up
-        results[alpha] = summarize_chunks([time_chunk(prep, new_seed(), alpha) for _ in range(repeats)], context)
-        results[alpha].update(steps_per_check=steps_per_check, compile_s=prep.compile_seconds)
+    try:
+        for alpha in alphas:
+            if draft is not None:
+                engine.set_accept_replay(alpha)
+            start = time.monotonic()
+            time_chunk(engine, prompts, max_new, new_seed())  # warm-up
+            compiled = compile_seconds(start, time.monotonic())
+            results[alpha] = summarize_chunks([time_chunk(engine, prompts, max_new, new_seed())
+                                               for _ in range(repeats)], context)
+            results[alpha].update(steps_per_check=steps_per_check, compile_s=compiled)
+    finally:
+        engine.close()
     return results
 
 
@@ -315,10 +332,13 @@ def e2e_row(run: dict, baseline: dict, batch: int, alpha: float, block: int) -> 
 def time_parts(target, draft, batch, context, block, iterations, repeats, rng, impl):
     """Draft, verify and commit alone, each as a dependent chain inside one jitted loop."""
     prompts = random_prompts(rng, batch, context, target.config.vocab_size)
-    prep = prepare(target, prompts, draft=draft, block_size=block, max_new_tokens=block + 1,
-                   chunk_steps=1, accept_replay=True, impl=impl)
-    state = prep.prefill()
-    cache, config = state.cache, prep.config
+    engine = batch_engine(target, draft, [context] * batch, [block + 1], block_size=block, chunk_steps=1,
+                          accept_replay=1.0, impl=impl)
+    for i, prompt in enumerate(prompts):
+        engine.submit(prompt, RequestParams(max_tokens=block + 1, sample_index=i))
+    engine.prefill_waiting()
+    state = engine.device.state        # the chains below take its cache: the engine is not used after
+    cache, config = state.cache, engine.config
     block_lens = jnp.full((batch,), block, jnp.int32)
     masks = jnp.full((batch, block - 1), config.draft.mask_token_id, jnp.int32)
 
@@ -368,6 +388,7 @@ def time_parts(target, draft, batch, context, block, iterations, repeats, rng, i
                                                           iterations).block_until_ready(), repeats)}
     out["verify_ms"] = median_seconds(run_verify, repeats)
     out["commit_ms"] = median_seconds(run_commit, repeats)
+    engine.close()
     return {k: v / iterations * 1e3 for k, v in out.items()}
 
 

@@ -31,7 +31,7 @@ from common import (SHAPES, acceptance_rate, add_auto_kernels_option, check_bloc
 
 from dflash_jax.model.ops import IMPLS  # noqa: E402
 from dflash_jax.entrypoints.cli import at_least  # noqa: E402
-from dflash_jax.entrypoints.generate import prepare  # noqa: E402
+from dflash_jax.runtime.generation import batch_engine  # noqa: E402
 from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
 
 
@@ -130,13 +130,14 @@ def main(argv: list[str] | None = None):
         use_draft = draft if name == "dflash" else None
         # Every chunk starts from a fresh prefill, so it generates at most steps x block tokens.
         block = args.block if use_draft else 1
-        prep = prepare(target, prompts, draft=use_draft, max_new_tokens=args.steps * block + 1,
-                       chunk_steps=args.steps, block_size=block if use_draft else None,
-                       accept_replay=use_draft is not None, impl=args.impl)
-        alpha = args.alpha if use_draft else None
-        jax.block_until_ready(prep.chunk(prep.prefill(), alpha))  # warm-up
+        max_new = args.steps * block + 1
+        engine = batch_engine(target, use_draft, [len(p) for p in prompts], [max_new],
+                              block_size=block if use_draft else None, chunk_steps=args.steps,
+                              accept_replay=args.alpha if use_draft else None, impl=args.impl)
+        time_chunk(engine, prompts, max_new, 0)  # warm-up
         trace_dir = Path(tempfile.mkdtemp(prefix=f"trace_{name}_", dir=args.out))
-        chunk = time_chunk(prep, 1, alpha, trace_dir)
+        chunk = time_chunk(engine, prompts, max_new, 1, trace_dir)
+        engine.close()
         events = kernel_events(trace_dir, first_gpu_only=args.tp > 1)
         if not events and jax.default_backend() == "gpu":
             raise RuntimeError(f"the trace in {trace_dir} holds no GPU kernel events: has the "

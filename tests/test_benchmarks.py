@@ -242,13 +242,16 @@ def test_replay_accepts_as_often_as_alpha_says(tiny_models):
     """Tokens per step under replay average tau(alpha, block) = (1 - alpha^block) / (1 - alpha):
     each draft accepted with probability alpha up to the first rejection, then the bonus token."""
     from common import random_prompts
-    from dflash_jax.entrypoints.generate import prepare
+    from dflash_jax.runtime.generation import batch_engine
     target, draft = tiny_models
-    block = 8
-    prep = prepare(target, random_prompts(np.random.default_rng(0), 64, 8, 512), draft=draft, block_size=block,
-                   max_new_tokens=4 * block + 1, chunk_steps=4, accept_replay=True, impl="reference")
+    block, max_new = 8, 4 * draft.config.block_size + 1
+    prompts = random_prompts(np.random.default_rng(0), 64, 8, 512)
+    engine = batch_engine(target, draft, [8] * 64, [max_new], block_size=block, chunk_steps=4, accept_replay=0.0,
+                          impl="reference")
     for alpha in (0.0, 0.5, 0.86):
-        lengths = np.concatenate([bench_e2e.time_chunk(prep, seed, alpha).accept_lengths for seed in (1, 2)]).ravel()
+        engine.set_accept_replay(alpha)
+        lengths = np.concatenate([bench_e2e.time_chunk(engine, prompts, max_new, seed).accept_lengths
+                                  for seed in (1, 2)]).ravel()
         assert lengths.min() >= 1 and lengths.max() <= block
         if alpha == 0:
             assert (lengths == 1).all()
@@ -259,11 +262,11 @@ def test_replay_accepts_as_often_as_alpha_says(tiny_models):
 
 def test_replay_draws_depend_on_the_prefill_seed(tiny_models):
     from common import random_prompts
-    from dflash_jax.entrypoints.generate import prepare
+    from dflash_jax.runtime.generation import batch_engine
     target, draft = tiny_models
-    prep = prepare(target, random_prompts(np.random.default_rng(0), 2, 8, 512), draft=draft, max_new_tokens=65,
-                   chunk_steps=4, accept_replay=True, impl="reference")
-    lengths = [bench_e2e.time_chunk(prep, seed, 0.7).accept_lengths for seed in (1, 2, 1)]
+    prompts = random_prompts(np.random.default_rng(0), 2, 8, 512)
+    engine = batch_engine(target, draft, [8, 8], [65], chunk_steps=4, accept_replay=0.7, impl="reference")
+    lengths = [bench_e2e.time_chunk(engine, prompts, 65, seed).accept_lengths for seed in (1, 2, 1)]
     assert lengths[0].shape == (2, 4)
     assert (lengths[0] == lengths[2]).all() and not (lengths[0] == lengths[1]).all()
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from dflash_jax.entrypoints.generate import DEFAULT_MODEL, generate, main
+from dflash_jax.generate import DEFAULT_MODEL, generate, main
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.loading.tokenizer import Tokenizer
 

@@ -22,7 +22,7 @@ from builders import make_copy_draft, save_draft, save_speculators_draft
 from dflash_jax.model import draft as draft_model
 from dflash_jax.model.cache import allocate_pages, init_cache
 from dflash_jax.model.config import ConfigError
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import Draft, load_draft
 from dflash_jax.runtime.sampling import SamplingConfig
 
@@ -210,44 +210,46 @@ def test_stop_lists_first_token_stop_and_streaming(spec_pair, baseline):
     assert chunks[-1] == out.tokens
 
 
-def test_streaming_shows_each_chunk_at_once_and_its_time_is_not_decode_time(spec_pair, baseline, monkeypatch):
-    """``run`` hands ``on_chunk`` the prefill's token before the first chunk runs and each chunk's
-    tokens before the next one (on a GPU a chunk call returns only when the chunk is done, so a
-    later hand-over would show text one chunk late), and counts the callback's time in neither
-    the prefill nor the decode time: a clock that only the callback advances reads zero."""
-    import dflash_jax.entrypoints.generate as gen
+def test_streaming_callbacks_time_is_neither_prefill_nor_decode_time(spec_pair, baseline, monkeypatch):
+    """``on_chunk`` gets the tokens so far after each engine step that made some, and the time it
+    takes counts in neither the prefill nor the decode time: a clock that only the callback
+    advances reads zero (the programs compiled by a first run)."""
+    import time
 
     prompts, expected = baseline
-    prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
-                           impl="reference", chunk_steps=3)
-    events, clock = [], [0.0]
-    compiled = prepared.chunk_fn
-    prepared.chunk_fn = lambda *args: (events.append("chunk"), compiled(*args))[1]
-    monkeypatch.setattr(gen, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl="reference",
+             chunk_steps=3)
+    clock, seen = [0.0], []
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
 
     def on_chunk(tokens):
-        events.append("stream")
+        seen.append(tokens)
         clock[0] += 100.0
 
-    out = prepared.run(on_chunk=on_chunk)
-    assert out.tokens == expected
-    chunks = events.count("chunk")
-    assert chunks >= 3 and events == ["stream"] + ["chunk", "stream"] * chunks
-    assert out.stats.prefill_seconds == out.stats.decode_seconds == 0.0
+    out = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl="reference",
+                   chunk_steps=3, on_chunk=on_chunk)
+    assert out.tokens == expected and seen[-1] == expected and len(seen) >= 3
+    # (tiny dispatch-time traces of the run still count, at the fake clock's readings)
+    assert abs(out.stats.prefill_seconds) < 0.1 and abs(out.stats.decode_seconds) < 0.1
 
 
-def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, baseline):
-    """Every step emits a token for each unfinished row, so ``run`` knows how many chunks can be
-    needed; a chunk that made no progress (a bug) ends in an error naming the rows, not in a loop
-    that never returns."""
-    import dflash_jax.entrypoints.generate as gen
+def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, baseline, monkeypatch):
+    """Every engine step runs a prompt chunk or emits a token for each decoding request, so
+    ``run_requests`` knows how many steps can be needed; a chunk that made no progress (a bug)
+    ends in an error naming the prompts, not in a loop that never returns."""
+    from dflash_jax.runtime.decode import ChunkOutput
+    from dflash_jax.runtime.engine import device
 
+    def stuck(target, draft, state, seen, seen_steps, replay_alpha, *, config, num_steps, steps_per_check):
+        rows = state.done.shape[0]
+        return state, ChunkOutput(tokens=jnp.zeros((rows, 2 * num_steps * config.block_size + 1), jnp.int32),
+                                  num_generated=state.num_generated, done=state.done, steps=state.steps,
+                                  accept_lengths=jnp.zeros((rows, 2 * num_steps), jnp.int32))
+
+    monkeypatch.setattr(device, "engine_chunk", stuck)
     prompts, _ = baseline
-    prepared = gen.prepare(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW,
-                           impl="reference", chunk_steps=16)
-    prepared.chunk_fn = lambda target, draft, state, alpha: state  # no step taken
-    with pytest.raises(RuntimeError, match=r"sequences \[0, 1, 2, 3\] were not done after 4 chunks of 16 steps"):
-        prepared.run()
+    with pytest.raises(RuntimeError, match=r"prompts \[0, 1, 2, 3\] were not done after \d+ engine steps"):
+        generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl="reference")
 
 
 def test_token_id_0_stops_a_row_like_any_other_stop_id():
@@ -593,24 +595,9 @@ def test_generate_rejects_mismatched_draft_before_compute(spec_pair, change, mes
         generate(spec_pair.target, [[1, 2, 3]], draft=Draft(bad, None), max_new_tokens=4, impl="reference")
 
 
-def test_pages_follow_each_rows_own_length_and_the_capacity_error_names_the_prompt(spec_pair, monkeypatch):
-    """A short prompt beside a long one gets pages for its own prompt and new tokens (the padded
-    prefill's extra positions fall on the sentinel page), and a prompt too long for the model's
-    positions is named with what would fit."""
-    from dflash_jax.entrypoints import generate as generate_module
-
-    class Allocated(Exception):
-        pass
-
-    def record(touched, page_size, num_pages):
-        raise Allocated(touched)
-
-    monkeypatch.setattr(generate_module, "allocate_pages", record)
-    block = spec_pair.draft.config.block_size
-    with pytest.raises(Allocated) as allocated:
-        generate(spec_pair.target, [[1], list(range(2, 90))], draft=spec_pair.draft, max_new_tokens=4,
-                 impl="reference")
-    assert allocated.value.args[0] == [1 + 4 + block, 88 + 4 + block]
+def test_the_capacity_error_names_the_prompt_and_what_fits(spec_pair):
+    """A prompt too long for the model's positions with its new tokens is named with what would
+    fit, before any compile."""
     limit = spec_pair.target.config.max_position_embeddings
     with pytest.raises(ValueError, match=rf"prompt 1 has 88 tokens: with max_new_tokens {limit - 80} it needs "
                                          rf"{limit + 8} positions, .* \(at most {limit - 88} new tokens fit after it\)"):
@@ -625,7 +612,7 @@ def test_pages_follow_each_rows_own_length_and_the_capacity_error_names_the_prom
     ({"stop_token_ids": [5, [6]]}, "stop_token_ids has 2 entries for 1 prompts"),
     ({"prompts": [[1, 2], [3]], "stop_token_ids": [5, [6]]}, r"stop_token_ids\[0\] must be a sequence of integers"),
     ({"stop_token_ids": [5.0]}, "stop_token_ids must be a sequence of integers"),
-    ({"accept_replay": -0.5}, r"replay_alpha \(an acceptance probability\) must be in \[0, 1\], got -0.5"),
+    ({"accept_replay": -0.5}, r"accept_replay \(an acceptance probability\) must be in \[0, 1\], got -0.5"),
     ({"accept_replay": 0.5, "draft": None}, "accept_replay replays the acceptance of a draft's proposals"),
     ({"sampling": "top_k=2.5"}, "top_k must be an integer >= 0, got 2.5"),
 ])
@@ -657,14 +644,17 @@ def test_stop_ids_as_arrays_one_id_and_outside_the_vocabulary(spec_pair, baselin
 
 
 def test_kv_cache_that_does_not_fit_the_device_is_refused(spec_pair, monkeypatch):
-    from dflash_jax.entrypoints import generate as generate_module
+    """Too little device memory beside the weights for even one request's pages: an error saying
+    so before any compute (with room for some, requests wait for pages: test_engine)."""
+    from dflash_jax.model import cache
 
     class Device:
         def memory_stats(self):
-            return {"bytes_limit": 2**20, "bytes_in_use": 2**19}
+            return {"bytes_limit": 2**16, "bytes_in_use": 2**15}
 
-    monkeypatch.setattr(generate_module.jax, "local_devices", lambda: [Device()])
-    with pytest.raises(ValueError, match=r"the KV cache needs .* GiB .* and the device has 0.00 GiB free"):
+    monkeypatch.setattr(cache.jax, "local_devices", lambda: [Device()])
+    with pytest.raises(ValueError, match=r"the device has 0.00 GiB free beside the weights: not even one request "
+                                         r"of max_model_len \d+ fits"):
         generate(spec_pair.target, [[1, 2, 3]] * 8, draft=spec_pair.draft, max_new_tokens=200, impl="reference")
 
 
@@ -692,22 +682,18 @@ def test_reduced_vocab_draft_logits_keep_other_ids_impossible_under_a_soft_cap()
 
 
 def test_nearby_batches_reuse_the_compiled_functions(spec_pair, compilations):
-    """Batches whose prompt lengths, max_new_tokens and stop lists round to the same sizes
-    (generate.prepare's buckets) compile nothing new; another block size compiles only the
-    decode chunk, not the prefill."""
+    """Batches whose slot counts, contexts and stop lists round to the same sizes
+    (``generation.batch_engine``'s) compile nothing new."""
     vocab = spec_pair.target.config.vocab_size
 
-    def run(lens, max_new, stops, block):
+    def run(lens, max_new, stops):
         prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate(lens)]
         generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=max_new, stop_token_ids=stops,
-                 block_size=block, impl="reference")
-    run([9, 20], 24, [5, 6, 7], 4)
+                 block_size=4, impl="reference")
+    run([9, 20, 5], 24, [5, 6, 7])
     with compilations() as compiled:
-        run([10, 21], 23, [5, 6, 7, 8], 4)
+        run([10, 21, 4, 7], 23, [5, 6, 7, 8])
     assert compiled == []
-    with compilations() as compiled:
-        run([10, 21], 23, [5, 6, 7, 8], 3)
-    assert compiled and not any("prefill" in name for name in compiled), compiled
 
 
 def test_draft_loads_in_the_targets_dtype_and_mixed_dtypes_are_refused(spec_pair):

@@ -18,7 +18,7 @@ from builders import as_dflash2, make_copy_draft, make_copy_target, make_zlab_dr
 from checkpoints_convert import export_draft
 from dflash_jax.model import selector as selector_module
 from dflash_jax.model.hf_config import draft_config_from_hf
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.model.nn import dynamic_conv
 from dflash_jax.model.nn.dynamic_conv import ConvParams, ConvSpec

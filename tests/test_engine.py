@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.runtime.engine import Engine, QueueFullError, RequestParams
 from dflash_jax.runtime.sampling import SamplingConfig

@@ -21,7 +21,7 @@ from dflash_jax.model import families
 from dflash_jax.model.hf_config import target_config_from_hf
 from dflash_jax.loading.checkpoint import CheckpointError
 from dflash_jax.model.config import ConfigError
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.model.nn.moe import MoESpec
 from dflash_jax.model.nn.rope import RopeSpec, rope_from_hf

@@ -19,7 +19,7 @@ from checkpoints_convert import export_target
 from dflash_jax.model.config import ConfigError
 from dflash_jax.model.hf_config import target_config_from_hf
 from dflash_jax.loading import models
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 
 WINDOW = 4

@@ -20,7 +20,7 @@ import torch
 from builders import make_copy_draft, make_copy_target, make_target, save_draft, save_target, train_briefly
 from dflash_jax.model import target as target_model
 from dflash_jax.model.cache import allocate_pages, init_cache
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 
 MAX_NEW = 40
@@ -213,23 +213,20 @@ def test_train_a_draft_for_a_hybrid_target(tmp_path):
     assert ours.stats.accept_lengths[0] == accepted
 
 
-def test_prefill_in_chunks_changes_nothing(hybrid_pair, monkeypatch):
-    """Prompts prefilled a few positions at a time (each chunk committed: ragged rows finish in
-    different chunks) give the same tokens and acceptance as one pass."""
-    from dflash_jax.runtime import decode
+def test_prefill_in_chunks_changes_nothing(hybrid_pair):
+    """Prompts prefilled four positions at a time, one row per engine step (each chunk committed:
+    ragged rows finish in different steps) give the same tokens and acceptance as one pass."""
+    from dflash_jax.runtime.engine import Engine, RequestParams
+    from dflash_jax.runtime.generation import run_requests
 
     _, _, target, draft = hybrid_pair
     prompts = _prompts(2)
     whole = generate(target, prompts, draft=draft, max_new_tokens=16, block_size=8, impl="reference")
-    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 8)   # 4 rows x 2 positions a chunk
-    jax.clear_caches()
-    try:
-        assert decode.prefill_chunk(len(prompts), 16) == 2
-        chunked = generate(target, prompts, draft=draft, max_new_tokens=16, block_size=8, impl="reference")
-    finally:
-        jax.clear_caches()
-    assert chunked.tokens == whole.tokens
-    assert chunked.stats.accept_lengths == whole.stats.accept_lengths
+    engine = Engine(target, draft, max_num_seqs=2, max_model_len=max(map(len, prompts)) + 16, block_size=8,
+                    prefill_chunk=4, prefill_rows=1, impl="reference")
+    requests, stats = run_requests(engine, prompts, [RequestParams(max_tokens=16)] * len(prompts))
+    assert [r.token_ids for r in requests] == whole.tokens
+    assert stats.accept_lengths == whole.stats.accept_lengths
 
 
 def test_commit_ignores_non_finite_uncommitted_tokens():
@@ -256,16 +253,3 @@ def test_commit_ignores_non_finite_uncommitted_tokens():
     for ours, expected in zip(poisoned, clean):
         assert np.isfinite(np.asarray(ours)).all()
         np.testing.assert_array_equal(ours, expected)
-
-
-def test_prefill_chunk_is_a_power_of_two_dividing_the_padded_prompt(monkeypatch):
-    from dflash_jax.runtime import decode
-
-    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 8)
-    assert decode.prefill_chunk(2, 4) == 4                                  # fits whole
-    assert decode.prefill_chunk(2, 28) == 4 and decode.prefill_chunk(1, 24) == 8 and decode.prefill_chunk(9, 48) == 1
-    for batch in (1, 2, 3, 5):
-        for padded in (12, 16, 24, 28, 40, 48, 96):
-            chunk = decode.prefill_chunk(batch, padded)
-            assert padded % chunk == 0 and (batch * padded <= 8 or (chunk & (chunk - 1) == 0 and batch * chunk <= 8
-                                                                    or chunk == 1))

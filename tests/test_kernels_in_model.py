@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.model.config import DraftConfig, ModelConfig, uniform_config
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.model.nn.gated_deltanet import GatedDeltaNetSpec
 from dflash_jax.model.nn.rope import RopeSpec
 from dflash_jax.loading.models import Draft, Target

@@ -21,7 +21,7 @@ import torch
 from scipy import stats
 
 from builders import as_dflash2, make_target, make_zlab_draft, save_draft, save_target
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.runtime.sampling import (SamplingConfig, SamplingRows, accept_greedy, accept_sampling, choose, sample_probs,
                                  sampling_probs, split_keys)

@@ -20,7 +20,7 @@ import torch
 from builders import write_chat_pair
 
 from dflash_jax.runtime.engine import Engine, RequestParams
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.entrypoints.server import BackgroundServer
 from dflash_jax.loading.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ import torch
 from builders import decoder_layers, make_target, save_target
 from dflash_jax.model import target as target_model
 from dflash_jax.model.cache import allocate_pages, init_cache
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_target
 
 # name -> (architecture kwargs, save kwargs)

@@ -771,7 +771,7 @@ def test_export_round_trip_same_draft_logits(trained):
 def test_reference_dflash_generate_matches_ours(trained, monkeypatch):
     import dflash.model as reference
 
-    from dflash_jax.entrypoints.generate import generate
+    from dflash_jax.runtime.generation import generate
 
     monkeypatch.setattr(reference, "_cuda_time", lambda: 0.0)   # no CUDA on CPU
     root = trained[0]

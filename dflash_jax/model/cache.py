@@ -181,8 +181,8 @@ def init_cache(target: ModelConfig | None, draft: ModelConfig | None, page_table
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def zeroed_cache(page_table, target: ModelConfig, draft: ModelConfig | None, num_pages: int, page_size: int,
                   dtype, tensor_parallel: TensorParallel | None) -> PagedKVCache:
-    """``init_cache`` compiled once per shape (``generate.prepare`` compiles it with the rest), so timing a
-    prefill times no compilation; split over the mesh of ``tensor_parallel`` when given."""
+    """``init_cache`` as one compiled program per shape (the engine's empty state); split over the
+    mesh of ``tensor_parallel`` when given."""
     cache = init_cache(target, draft, page_table, num_pages, page_size, dtype)
     if tensor_parallel is None:
         return cache

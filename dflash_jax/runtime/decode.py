@@ -1,4 +1,4 @@
-"""Jitted prefill and the on-device decode loop, for plain decoding and DFlash alike.
+"""The jitted programs of the engine's decode state, for plain decoding and DFlash alike.
 
 Plain decoding is the same loop with no draft and block size 1: the "verify" of a one-token
 block is an ordinary decode step and its "bonus" is the next token. One DFlash step:
@@ -11,10 +11,11 @@ block is an ordinary decode step and its "bonus" is the next token. One DFlash s
    emitted count, write the block's context K/V into the draft's pages (all B positions: those
    past the new ``lengths`` are never read and are overwritten by the next step).
 
-Shapes are fixed per prepared batch (batch, block size, buffers, pages), so its loop never
-recompiles; ``generate.prepare`` rounds the sizes up to a few per doubling so that other batches
-reuse the compiled functions. Finished sequences keep their state frozen (they still occupy
-their batch row).
+The state's rows are the engine's slots; requests come and go between programs: ``admit_slots``,
+``prefill_slots`` (ragged chunks of prompt tokens), ``engine_chunk`` (a chunk of steps on the
+device, each slot's new tokens cut out for the host), ``set_page_rows``, ``release_slots``.
+Shapes are fixed per engine (slots, block size, buffers, pages), so its loop never recompiles.
+A row that is free, prefilling or finished reads as done and is left as it is.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class LoopConfig:
     compiled code through the state's tree structure).
     ``accept_replay`` (benchmarks only) replaces the accept decision: each draft position is
     accepted independently with probability ``replay_alpha`` (a run-time argument of
-    ``decode_chunk``, so one compile serves every alpha), up to the first rejection.
+    ``engine_chunk``, so one compile serves every alpha), up to the first rejection.
     ``tensor_parallel``: the models are split over its mesh; prefill and chunk then run as one
     ``shard_map`` program each, every device on its slices with the ``local`` configs."""
 
@@ -76,28 +77,22 @@ class LoopConfig:
                                    tensor_parallel=None,
                                    draft=None if self.draft is None else local_draft_config(self.draft, tp))
 
-    def for_prefill(self) -> "LoopConfig":
-        """This config less what prefill does not use (the run-time block size, replay), so one
-        compiled prefill serves every block size."""
-        trained = 1 if self.draft is None else self.draft.block_size
-        return dataclasses.replace(self, block_size=trained, accept_replay=False)
-
 
 @struct.dataclass
 class DecodeState:
-    """Everything the decode loop carries (B = batch; N = buffer_len: the largest
-    max_new_tokens, rounded up as ``max_steps``, plus the draft's trained block size, or 1).
+    """Everything the decode loop carries (B = slots; N = the engine's max_model_len plus two
+    chunks of tokens and one; M = max_model_len plus two chunks of steps).
 
     tokens: [B, N] generated tokens (the first one comes from prefill); entries at and past
         ``num_generated`` are scratch.
     num_generated: [B] emitted so far. last_token: [B] emitted but not yet run by the target.
     done: [B] stop token seen or max_new_tokens reached.
     max_new_tokens: [B]; stop_tokens: [B, S] (-1 padded).
-    sampling: ``SamplingRows``, one setting for all rows ([]) or one per row ([B]).
+    sampling: ``SamplingRows``, one setting per row ([B]).
     cache: the cache; ``cache.lengths`` counts tokens the target has committed.
-    steps: [B] speculation steps taken; accept_lengths: [B, max_steps] tokens emitted per step
-        (max_steps >= every max_new_tokens: each step emits at least one).
-    key: PRNG key, or one per row [B]; iteration: scalar loop iterations run.
+    steps: [B] speculation steps taken; accept_lengths: [B, M] tokens emitted per step (each
+        step emits at least one).
+    key: [B] a PRNG key per row; iteration: scalar loop iterations run.
     logprobs: None, or the target's log-probabilities of the emitted tokens, kept beside
         ``tokens`` (``TokenLogprobs``; its top-k width is static).
     """
@@ -142,22 +137,6 @@ def _logprobs_of(logits: jax.Array, tokens: jax.Array, like: TokenLogprobs, axis
     return TokenLogprobs(*token_logprobs(logits, tokens, like.top_ids.shape[-1], axis))
 
 
-PREFILL_CHUNK_TOKENS = 4096
-
-
-def prefill_chunk(batch: int, padded: int) -> int:
-    """Prompt positions per prefill chunk: the whole padded prompt when batch x padded fits
-    ``PREFILL_CHUNK_TOKENS``, else the largest power of two dividing ``padded`` that does (at
-    least 1). Bounds what one pass holds (activations, and a hybrid's recurrent-layer inputs
-    kept for the commit: 1 MB a token at Qwen3.5-27B)."""
-    if batch * padded <= PREFILL_CHUNK_TOKENS:
-        return padded
-    chunk = padded & -padded                               # the largest power of two dividing it
-    while chunk > 1 and batch * chunk > PREFILL_CHUNK_TOKENS:
-        chunk //= 2
-    return chunk
-
-
 def bucket(n: int, per_doubling: int = 8) -> int:
     """``n`` rounded up to one of ``per_doubling`` sizes between consecutive powers of two (at
     most 1/per_doubling more): the sizes that set compiled shapes (prompt padding, pages,
@@ -169,55 +148,6 @@ def bucket(n: int, per_doubling: int = 8) -> int:
 def _is_stop(tokens: jax.Array, stop_tokens: jax.Array) -> jax.Array:
     """tokens [B, T] vs stop_tokens [B, S] (-1 padded) -> [B, T] bool."""
     return jnp.any((tokens[:, :, None] == stop_tokens[:, None, :]) & (stop_tokens[:, None, :] >= 0), axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "buffer_len", "max_steps"), donate_argnames=("cache",))
-def prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
-            max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array,
-            sampling: SamplingRows, *, config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
-    """Run right-padded prompts [B, P] (true lengths prompt_lens [B]) in chunks of positions
-    (``prefill_chunk``), each committed as it ends, pick the first token and return the loop's
-    initial state (buffers of ``buffer_len`` tokens and ``max_steps`` steps; ``sampling`` as
-    ``SamplingRows.as_arrays`` gives it, so its values compile nothing)."""
-    if config.tensor_parallel is not None:
-        body = functools.partial(_prefill, config=config.local(), buffer_len=buffer_len, max_steps=max_steps)
-        inputs = (prompts, prompt_lens, max_new_tokens, stop_tokens)
-        return _on_mesh(body, config, (target, draft, *inputs, cache, key, sampling),
-                        (*_param_specs(target, draft, config), *(P(),) * len(inputs),
-                         cache_specs(cache, config.tensor_parallel),
-                         P(), _replicated_specs(sampling)),
-                        _state_specs(sampling, cache_specs(cache, config.tensor_parallel)))
-    return _prefill(target, draft, prompts, prompt_lens, max_new_tokens, stop_tokens, cache, key, sampling,
-                    config=config, buffer_len=buffer_len, max_steps=max_steps)
-
-
-def _prefill(target: TargetParams, draft: DraftParams | None, prompts: jax.Array, prompt_lens: jax.Array,
-             max_new_tokens: jax.Array, stop_tokens: jax.Array, cache: PagedKVCache, key: jax.Array,
-             sampling: SamplingRows, *, config: LoopConfig, buffer_len: int, max_steps: int) -> DecodeState:
-    batch, padded = prompts.shape
-    chunk = prefill_chunk(batch, padded)
-    kv_proj = None if config.draft is None else draft_model.context_kv_proj(draft)
-
-    def run_chunk(index, carry):
-        """Prompt positions [index * chunk, (index + 1) * chunk) of every row, then their commit."""
-        cache, last = carry
-        start = index * chunk
-        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
-        cache, here, ends = _prompt_chunk(target, draft, config, tokens, jnp.full((batch,), start, jnp.int32),
-                                          prompt_lens, cache, kv_proj)
-        return cache, jnp.where(ends[:, None], here, last)
-
-    last = jnp.zeros((batch, config.target.hidden_size), target.embed.dtype)
-    cache, last = jax.lax.fori_loop(0, padded // chunk, run_chunk, (cache.emptied(), last))
-    key, first_key = split_keys(key, 2)
-    first = choose(first_key, target_model.logits(target, last), sampling, config.target.tensor_axis)
-    done = _is_stop(first[:, None], stop_tokens)[:, 0] | (max_new_tokens <= 1)
-    return DecodeState(tokens=jnp.zeros((batch, buffer_len), jnp.int32).at[:, 0].set(first),
-                       num_generated=jnp.ones((batch,), jnp.int32), last_token=first, done=done,
-                       max_new_tokens=max_new_tokens.astype(jnp.int32), stop_tokens=stop_tokens.astype(jnp.int32),
-                       sampling=sampling, cache=cache, steps=jnp.zeros((batch,), jnp.int32),
-                       accept_lengths=jnp.zeros((batch, max_steps), jnp.int32), key=key,
-                       iteration=jnp.zeros((), jnp.int32))
 
 
 def _prompt_chunk(target: TargetParams, draft: DraftParams | None, config: LoopConfig, tokens: jax.Array,
@@ -338,11 +268,9 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
 
 
 def _advanced(new: jax.Array, old: jax.Array, active: jax.Array) -> jax.Array:
-    """The step's new key; with a key per row, only active rows move on, so that a row's draws
-    depend on its own steps, not on how long it waited beside others (a seeded request's
-    output is the same whatever runs with it)."""
-    if old.ndim == 0:
-        return new
+    """The step's new keys [B]: only active rows move on, so that a row's draws depend on its own
+    steps, not on how long it waited beside others (a seeded request's output is the same
+    whatever runs with it)."""
     data = jnp.where(active[:, None], jax.random.key_data(new), jax.random.key_data(old))
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
 
@@ -362,36 +290,16 @@ def check_steps_per_check(num_steps: int, steps_per_check: int) -> None:
                          "a compiled size)")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "steps_per_check"), donate_argnames=("state",))
-def decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                 replay_alpha: jax.Array | None = None, *, config: LoopConfig, num_steps: int,
-                 steps_per_check: int = 1) -> DecodeState:
+def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
+                  replay_alpha: jax.Array | None, *, config: LoopConfig, num_steps: int,
+                  steps_per_check: int) -> DecodeState:
     """Up to ``num_steps`` decode steps in one on-device loop; stops early once every sequence is
-    done, looking every ``steps_per_check`` steps (which must divide ``num_steps``). Callers
-    stream text between chunks. ``replay_alpha`` (scalar) is required exactly when
-    ``config.accept_replay``.
+    done, looking every ``steps_per_check`` steps (which must divide ``num_steps``).
 
     Why check less often: the stop test of a ``lax.while_loop`` is read back by the host after
     every iteration, so the GPU idles between steps; an inner loop of a fixed number of steps
     runs with no read-back. Steps taken after every row is done change nothing (done rows are
     left as they are) but cost a step's time each."""
-    if config.accept_replay != (replay_alpha is not None):
-        raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
-    check_steps_per_check(num_steps, steps_per_check)
-    if config.tensor_parallel is not None:
-        body = functools.partial(_decode_chunk, config=config.local(), num_steps=num_steps,
-                                 steps_per_check=steps_per_check)
-        specs_of_state = state_specs(state, config.tensor_parallel)
-        return _on_mesh(body, config, (target, draft, state, replay_alpha),
-                        (*_param_specs(target, draft, config), specs_of_state, None if replay_alpha is None else P()),
-                        specs_of_state)
-    return _decode_chunk(target, draft, state, replay_alpha, config=config, num_steps=num_steps,
-                         steps_per_check=steps_per_check)
-
-
-def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                  replay_alpha: jax.Array | None, *, config: LoopConfig, num_steps: int,
-                  steps_per_check: int) -> DecodeState:
     stop_at = state.iteration + num_steps
 
     def running(s: DecodeState):
@@ -406,13 +314,11 @@ def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: Decode
     return jax.lax.while_loop(running, steps, state)
 
 
-# ----------------------------------------------------------------------------- slots (the engine's batch)
+# ----------------------------------------------------------------------------- slots
 #
-# A serving batch is a fixed set of slots (rows of one DecodeState); requests come and go between
-# chunks. A slot that is free, still prefilling or finished reads as done, so the decode loop
-# leaves it alone; its page-table row holds only its own pages (a released slot's row holds the
-# sentinel page: its scratch writes from the loop are dropped, never landing in pages that another
-# request now owns).
+# A slot's page-table row holds only its own pages (a released slot's row holds the sentinel page:
+# its scratch writes from the loop are dropped, never landing in pages that another request now
+# owns).
 
 
 @struct.dataclass
@@ -542,10 +448,11 @@ def _prefill_slots(target: TargetParams, draft: DraftParams | None, state: Decod
 def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, seen: jax.Array,
                  seen_steps: jax.Array, replay_alpha: jax.Array | None = None, *, config: LoopConfig,
                  num_steps: int, steps_per_check: int = 1) -> tuple[DecodeState, ChunkOutput]:
-    """``decode_chunk`` over the slots, with each slot's tokens from ``seen`` [B] on (what the
-    host has read; it may lag one chunk) and acceptance lengths from ``seen_steps`` [B] on cut
-    out on the device (``ChunkOutput``, 2 chunks + 1 tokens wide): the host reads a few KB,
-    not the buffers. ``replay_alpha`` as for ``decode_chunk`` (benchmarks)."""
+    """Up to ``num_steps`` decode steps over the slots (``_decode_chunk``), then each slot's tokens
+    from ``seen`` [B] on (what the host has read; it may lag one chunk) and acceptance lengths
+    from ``seen_steps`` [B] on cut out on the device (``ChunkOutput``, 2 chunks + 1 tokens
+    wide): the host reads a few KB, not the buffers. ``replay_alpha`` (scalar) is required
+    exactly when ``config.accept_replay`` (benchmarks)."""
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
     check_steps_per_check(num_steps, steps_per_check)

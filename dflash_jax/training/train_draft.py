@@ -384,7 +384,7 @@ def regenerate(target: Target, prompts: Sequence[Sequence[int]], *, seq_len: int
     ``on_batch(index of its first prompt, rows)`` when made; ``done`` holds the rows of the first
     batches, made earlier (an interrupted run's), which are not generated again (each batch's
     seed depends only on its position)."""
-    from dflash_jax.entrypoints.generate import generate
+    from dflash_jax.runtime.generation import generate
 
     if max(len(p) for p in prompts) >= seq_len:
         raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room for a response in "
@@ -454,7 +454,7 @@ def evaluate_tau(target: Target, draft: Draft, prompts: Sequence[Sequence[int]],
     """τ (mean tokens per step) of DFlash generation on ``prompts``, and the speedup over plain
     decoding (tok/s, same batch; None when plain decoding timed no tokens). Generation stops at
     ``stop_token_ids(target)``."""
-    from dflash_jax.entrypoints.generate import generate
+    from dflash_jax.runtime.generation import generate
 
     sampling = SamplingConfig(temperature=temperature)
     stop = stop_token_ids(target) or None

@@ -33,7 +33,7 @@ from builders import (as_dflash2, hybrid_config, make_copy_draft, make_copy_targ
 from dflash_jax.entrypoints import generate as generate_cli
 from dflash_jax.model import target as target_model
 from dflash_jax.model.cache import allocate_pages, init_cache
-from dflash_jax.entrypoints.generate import generate
+from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import Draft, Target, load_draft, load_target, split_draft, split_target
 from dflash_jax.model.collectives import gather_vocab, vocab_argmax
 from dflash_jax.runtime.sampling import (SamplingConfig, SamplingRows, accept_sampling, sample_probs, sampling_probs,

@@ -9,10 +9,13 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
+
 from dflash_jax.loading.models import Draft, Target
 from dflash_jax.loading.tokenizer import TextStream, Tokenizer
 from dflash_jax.model.cache import check_page_size
 from dflash_jax.model.kernel_shapes import check_kernel_shapes
+from dflash_jax.model.sharding import replicated
 from dflash_jax.runtime.decode import LoopConfig, PrefillOutput, bucket, default_steps_per_check
 from dflash_jax.runtime.engine.device import Device, DispatchedChunk, default_num_pages
 from dflash_jax.runtime.engine.output import EngineStats, OutputProcessor
@@ -209,6 +212,37 @@ class Engine:
             self._fail_all(f"{type(error).__name__}: {error}")
             raise
         return True
+
+    def prefill_waiting(self) -> list[Request]:
+        """Admit the waiting requests that fit and run their whole prompts, dispatching no decode
+        chunk; returns the requests decoding. Benchmarks start each timed decode chunk so, from
+        a known context."""
+        if self._in_flight is not None:
+            raise RuntimeError("prefill_waiting runs with no decode chunk in flight")
+        with self._lock:
+            admitted = self.scheduler.admit()
+            if admitted:
+                self.device.admit(admitted, self.scheduler.running)
+        while prefilled := self._prefill():
+            output, rows = prefilled
+            self.output.first_tokens(self.device.read(output), rows)
+        return [r for r in self.scheduler.decoding() if r is not None]
+
+    def close(self) -> None:
+        """Let go of the device state (the KV pool) now rather than when the engine is collected;
+        the engine takes no more requests."""
+        self.stop(drain=False)
+        self._in_flight = None
+        self.device.state = None
+
+    def set_accept_replay(self, probability: float) -> None:
+        """Benchmarks: the acceptance probability the next decode chunks replay (an engine made
+        with ``accept_replay``; no new compile)."""
+        if self.device.replay_alpha is None:
+            raise ValueError("set_accept_replay needs an engine made with accept_replay")
+        if not 0 <= probability <= 1:
+            raise ValueError(f"accept_replay must be a probability in [0, 1], got {probability}")
+        self.device.replay_alpha = replicated(jnp.float32(probability), self.target.tensor_parallel)
 
     def run_until_done(self) -> None:
         """Step until no request is waiting or running (the offline path)."""

@@ -25,6 +25,7 @@ from dflash_jax.runtime.decode import (ChunkOutput, DecodeState, LoopConfig, Pre
                                        bucket, engine_chunk, prefill_slots, release_slots, set_page_rows)
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request
 from dflash_jax.runtime.sampling import SamplingConfig, SamplingRows
+from pallas_kernels.tuning import next_power_of_2
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,19 @@ class Device:
         self.prefill_chunk, self.top_k_cap, self.max_logprobs = prefill_chunk, top_k_cap, max_logprobs
         self.eos_ids = eos_ids
         self._key = jax.random.key(seed)
-        self._replay_alpha = None if accept_replay is None else replicated(jnp.float32(accept_replay),
+        self.replay_alpha = None if accept_replay is None else replicated(jnp.float32(accept_replay),
                                                                          target.tensor_parallel)
         self.state = self.empty_state()
 
     @property
     def _draft_params(self):
         return None if self.draft is None else self.draft.params
+
+    @property
+    def stop_width(self) -> int:
+        """Stop ids a slot holds: a request's own and the end-of-sequence ids, the latter
+        rounded up to a power of two (engines with a few more or fewer share programs)."""
+        return MAX_STOP_TOKEN_IDS + (next_power_of_2(len(self.eos_ids)) if self.eos_ids else 0)
 
     def empty_state(self) -> DecodeState:
         """Every slot free: sentinel page rows, done, greedy defaults."""
@@ -120,7 +127,7 @@ class Device:
         rest = dict(tokens=jnp.zeros((b, self.max_model_len + 2 * width + 1), jnp.int32),
                     num_generated=jnp.zeros((b,), jnp.int32), last_token=jnp.zeros((b,), jnp.int32),
                     done=jnp.ones((b,), bool), max_new_tokens=jnp.ones((b,), jnp.int32),
-                    stop_tokens=jnp.full((b, MAX_STOP_TOKEN_IDS + len(self.eos_ids)), -1, jnp.int32),
+                    stop_tokens=jnp.full((b, self.stop_width), -1, jnp.int32),
                     sampling=sampling, steps=jnp.zeros((b,), jnp.int32),
                     accept_lengths=jnp.zeros((b, self.max_model_len + 2 * self.chunk_steps), jnp.int32),
                     key=jax.random.split(self._key, b), iteration=jnp.zeros((), jnp.int32))
@@ -191,7 +198,7 @@ class Device:
         seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)
         self.state, output = engine_chunk(self.target.params, self._draft_params, self.state,
                                           *replicated((jnp.asarray(seen), jnp.asarray(seen_steps)),
-                                                      self.target.tensor_parallel), self._replay_alpha,
+                                                      self.target.tensor_parallel), self.replay_alpha,
                                           config=self.config, num_steps=self.chunk_steps,
                                           steps_per_check=self.steps_per_check)
         jax.tree.map(lambda x: x.copy_to_host_async(), output)
@@ -220,7 +227,7 @@ class Device:
                                                            self.target.tensor_parallel))
         zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
         self.state, _ = engine_chunk(self.target.params, self._draft_params, self.state, zeros, zeros,
-                                     self._replay_alpha, config=self.config, num_steps=self.chunk_steps,
+                                     self.replay_alpha, config=self.config, num_steps=self.chunk_steps,
                                      steps_per_check=self.steps_per_check)
         jax.block_until_ready(self.state)
         return len(shapes) + 4
