@@ -191,13 +191,14 @@ def batch_engine(target: Target, draft: Draft | None, prompt_lengths: Sequence[i
     """An engine for a known batch: slots for every prompt (or ``max_num_seqs``) and a context
     for the longest prompt with the most new tokens, both rounded up (a power of two of slots;
     positions to one of four sizes per doubling, at most a quarter more) so that nearby batches
-    run the same compiled programs."""
+    run the same compiled programs; its queue holds the whole batch."""
     slots = next_power_of_2(len(prompt_lengths))
     if max_num_seqs is not None:
         slots = min(slots, max_num_seqs)
     needed = max(prompt_lengths) + max(max_new_tokens)
     max_model_len = min(bucket(needed, per_doubling=4), target.config.max_position_embeddings)
-    return Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=max_model_len, **engine_options)
+    return Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=max_model_len,
+                  max_waiting=max(len(prompt_lengths), 1), **engine_options)
 
 
 def run_requests(engine: Engine, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams], *,

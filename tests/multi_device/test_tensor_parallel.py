@@ -151,6 +151,11 @@ def family_case(request, tmp_path_factory) -> FamilyCase:
     return FamilyCase(request.param, path, single, prompts, tokens, prompt_logits(single, prompts))
 
 
+# The split decode loop compiles per family and degree; the tokens are compared at one degree per
+# family (both degrees across the families), the logits at both.
+GREEDY_DEGREE = {"qwen3": 4, "llama": 2, "qwen3_moe": 4, "qwen3_5": 2, "qwen3_5_moe": 4, "gpt_oss": 2}
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_family_split_gives_the_tokens_and_logits_of_one_device(family_case, tp):
     case = family_case
@@ -166,7 +171,8 @@ def test_every_family_split_gives_the_tokens_and_logits_of_one_device(family_cas
     assert_same_params(unsharded(target.params, layout, target.tensor_parallel), case.single.params)
     logits = prompt_logits(target, case.prompts)
     np.testing.assert_allclose(logits, case.logits, **LOGITS_TOLERANCE)
-    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+    if tp == GREEDY_DEGREE[case.name]:
+        assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
 
 
 @pytest.mark.parametrize("family_case", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"], indirect=True)
@@ -183,7 +189,8 @@ def test_moe_experts_dealt_out_whole_give_the_tokens_and_logits_of_one_device(fa
     assert {shard.data.shape[0] for shard in routed.gate_up_proj.addressable_shards} == {4 // tp}
     assert_same_params(unsharded(target.params, layout, split), case.single.params)
     np.testing.assert_allclose(prompt_logits(target, case.prompts), case.logits, **LOGITS_TOLERANCE)
-    assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
+    if tp != GREEDY_DEGREE[case.name]:  # the other degree than the width-split test's
+        assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="reference").tokens == case.tokens
     if case.name == "qwen3_moe" and tp == 2:  # the experts' kernel skipping the pairs held elsewhere (interpreted)
         assert generate(target, case.prompts, max_new_tokens=MAX_NEW, impl="interpret").tokens == case.tokens
 
