@@ -97,8 +97,9 @@ def test_cli_without_model_explains_what_to_pass(monkeypatch):
 def test_cli_baseline_names_the_first_difference(model_dirs, monkeypatch, capsys):
     """When the --baseline outputs differ, the CLI says where, and why bf16 can flip a near-tie."""
     from dflash_jax.entrypoints import generate
+    from dflash_jax.runtime.engine import Engine
 
-    class PlainDiffers(generate.Engine):  # the plain run's third new token changed
+    class PlainDiffers(Engine):  # the plain run's third new token changed
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             emit = self.output.emit
@@ -111,7 +112,7 @@ def test_cli_baseline_names_the_first_difference(model_dirs, monkeypatch, capsys
 
             self.output.emit = changed
 
-    monkeypatch.setattr(generate, "Engine", PlainDiffers)
+    monkeypatch.setattr("dflash_jax.runtime.generation.Engine", PlainDiffers)
     target_dir, draft_dir = model_dirs
     assert generate.main(["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "6",
                           "--baseline", "--dtype", "bfloat16", "--impl", "reference"]) == 0
@@ -266,7 +267,7 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     tokenizer = Tokenizer(target_dir)
     tokens = tokenizer.encode(" = '日本")[:-1]
 
-    monkeypatch.setattr(generate, "Engine", _canned_engine([tokens[:2], tokens[2:]]))
+    monkeypatch.setattr("dflash_jax.runtime.generation.Engine", _canned_engine([tokens[:2], tokens[2:]]))
     assert generate.main(["--target", str(target_dir), "--prompt", "x", "--dtype", "float32",
                           "--impl", "reference"]) == 0
     assert capsys.readouterr().out == "x" + tokenizer.decode(tokens) + "\n"
@@ -352,7 +353,7 @@ def test_cli_stats_json_write_failure_and_interrupt(model_dirs, tmp_path, monkey
     monkeypatch.setattr(Path, "write_text", write_text)
     assert generate.main(base + ["--stats-json", str(tmp_path / "stats.json")]) == 1
     assert capsys.readouterr().err.endswith("error: --stats-json: disk full\n")
-    monkeypatch.setattr(generate, "Engine", interrupt)
+    monkeypatch.setattr("dflash_jax.runtime.generation.Engine", interrupt)
     with pytest.raises(SystemExit) as stop:
         generate.main(base)
     assert stop.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
@@ -679,7 +680,7 @@ def test_help_and_usage_errors_answer_without_jax():
              "print(generate.__module__)\n")
     run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=_cli_env())
-    assert run.returncode == 0 and run.stdout.splitlines()[-2:] == ["[]", "dflash_jax.entrypoints.generate"], \
+    assert run.returncode == 0 and run.stdout.splitlines()[-2:] == ["[]", "dflash_jax.runtime.generation"], \
         run.stderr
     assert "usage: python -m dflash_jax.serve" in run.stdout and "--no-baseline" in run.stdout
     assert "dflash_jax.generate --help 0" in run.stderr and "dflash_jax.serve --help 0" in run.stderr
@@ -727,7 +728,7 @@ def canned_answer(model_dirs, monkeypatch):
     from dflash_jax.loading.tokenizer import Tokenizer
 
     tokens = Tokenizer(model_dirs[0]).encode(" = 1")
-    monkeypatch.setattr(generate, "Engine", _canned_engine([tokens]))
+    monkeypatch.setattr("dflash_jax.runtime.generation.Engine", _canned_engine([tokens]))
     return (lambda *args: generate.main(["--target", str(model_dirs[0]), "--no-draft", *map(str, args)]),
             Tokenizer(model_dirs[0]).decode(tokens))
 
@@ -793,7 +794,7 @@ def test_the_demo_compares_with_plain_decoding_unless_told_not_to(monkeypatch, c
     leaves the comparison out."""
     from dflash_jax.entrypoints import generate
 
-    monkeypatch.setattr(generate, "Engine", _canned_engine([[5, 6]]))
+    monkeypatch.setattr("dflash_jax.runtime.generation.Engine", _canned_engine([[5, 6]]))
     assert generate.main(["--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "[dflash]" in err and "[plain]" in err and "[compare]" in err

@@ -559,15 +559,15 @@ def test_small_corpus_folders_hold_out_one_file(tmp_path):
 
 
 def test_regenerate_generates_each_prompt_once(monkeypatch):
-    import dflash_jax.entrypoints.generate
+    import dflash_jax.runtime.generation
 
     batches = []
 
     def fake_generate(target, prompts, *, max_new_tokens, **kwargs):
         batches.append(len(prompts))
-        return dflash_jax.entrypoints.generate.GenerationResult([[7] * n for n in max_new_tokens], None)
+        return dflash_jax.runtime.generation.GenerationResult([[7] * n for n in max_new_tokens], None)
 
-    monkeypatch.setattr(dflash_jax.entrypoints.generate, "generate", fake_generate)
+    monkeypatch.setattr(dflash_jax.runtime.generation, "generate", fake_generate)
     monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
     rows = train_draft.regenerate(None, [[1, 2]] * 5, seq_len=6, temperature=0.0, batch_size=2, pad_id=0)
     assert batches == [2, 2, 1] and len(rows) == 5 and rows.loss_mask.sum() == 5 * 4
@@ -690,7 +690,7 @@ def test_interrupted_regeneration_goes_on_from_its_last_finished_batch(tmp_path,
     seeds, and gives the rows an uninterrupted run gives; another record starts afresh."""
     import functools
 
-    import dflash_jax.entrypoints.generate
+    import dflash_jax.runtime.generation
 
     seeds, fail_at = [], {"call": 3}
 
@@ -698,9 +698,9 @@ def test_interrupted_regeneration_goes_on_from_its_last_finished_batch(tmp_path,
         seeds.append(seed)
         if len(seeds) == fail_at["call"]:
             raise KeyboardInterrupt
-        return dflash_jax.entrypoints.generate.GenerationResult([[seed + 1] * n for n in max_new_tokens], None)
+        return dflash_jax.runtime.generation.GenerationResult([[seed + 1] * n for n in max_new_tokens], None)
 
-    monkeypatch.setattr(dflash_jax.entrypoints.generate, "generate", fake_generate)
+    monkeypatch.setattr(dflash_jax.runtime.generation, "generate", fake_generate)
     monkeypatch.setattr(train_draft, "stop_token_ids", lambda target: [0])
     make = functools.partial(train_draft.regenerate, None, [[1, 2]] * 5, seq_len=4, temperature=0.0,
                              batch_size=2, pad_id=0)

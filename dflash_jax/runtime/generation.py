@@ -26,6 +26,9 @@ from dflash_jax.runtime.sampling import SamplingConfig
 from pallas_kernels.tuning import next_power_of_2
 
 
+PREFILL_TOKENS = 16384   # prompt tokens a batch engine's step prefills, at most (bounds the activations)
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """Per-sequence acceptance lengths (tokens emitted per step, bonus included, as the paper
@@ -191,14 +194,18 @@ def batch_engine(target: Target, draft: Draft | None, prompt_lengths: Sequence[i
     """An engine for a known batch: slots for every prompt (or ``max_num_seqs``) and a context
     for the longest prompt with the most new tokens, both rounded up (a power of two of slots;
     positions to one of four sizes per doubling, at most a quarter more) so that nearby batches
-    run the same compiled programs; its queue holds the whole batch."""
+    run the same compiled programs; its queue holds the whole batch, and each step prefills up
+    to ``PREFILL_TOKENS`` prompt tokens (a large batch of short prompts starts decoding in a few
+    steps, not eight rows a step)."""
     slots = next_power_of_2(len(prompt_lengths))
     if max_num_seqs is not None:
         slots = min(slots, max_num_seqs)
     needed = max(prompt_lengths) + max(max_new_tokens)
     max_model_len = min(bucket(needed, per_doubling=4), target.config.max_position_embeddings)
+    row_tokens = min(next_power_of_2(max(prompt_lengths)), engine_options.get("prefill_chunk", 512))
+    prefill_rows = min(slots, max(8, PREFILL_TOKENS // row_tokens))
     return Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=max_model_len,
-                  max_waiting=max(len(prompt_lengths), 1), **engine_options)
+                  max_waiting=max(len(prompt_lengths), 1), prefill_rows=prefill_rows, **engine_options)
 
 
 def run_requests(engine: Engine, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams], *,

@@ -91,6 +91,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._in_flight: DispatchedChunk | None = None     # the chunk dispatched and not yet delivered
+        self._released: list[int] = []                      # slots released, not yet freed on the device
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
@@ -195,6 +196,7 @@ class Engine:
             with self._lock:
                 for request in self.scheduler.take_cancelled():
                     self.output.finish(request, "abort")
+                self._free_released()
                 admitted = self.scheduler.admit()
                 if admitted:
                     self.device.admit(admitted, self.scheduler.running)
@@ -208,6 +210,7 @@ class Engine:
             previous, self._in_flight = self._in_flight, chunk
             if previous is not None:
                 self.output.chunk_tokens(self.device.read(previous.output), previous)
+            self._free_released()
         except Exception as error:  # noqa: BLE001 - every in-flight request learns of it, then it is raised
             self._fail_all(f"{type(error).__name__}: {error}")
             raise
@@ -226,6 +229,7 @@ class Engine:
         while prefilled := self._prefill():
             output, rows = prefilled
             self.output.first_tokens(self.device.read(output), rows)
+        self._free_released()
         return [r for r in self.scheduler.decoding() if r is not None]
 
     def close(self) -> None:
@@ -319,16 +323,24 @@ class Engine:
         return self.device.chunk(owners)
 
     def _release(self, request: Request) -> None:
-        """A finishing request's slot and pages back (the slot freed on the device too)."""
+        """A finishing request's slot and pages back; the device frees the slots of a step's
+        finished requests together (``_free_released``), before any slot is handed out again."""
         slot = self.scheduler.release(request)
         if slot is not None:
-            self.device.release(slot, self.scheduler.running)
+            self._released.append(slot)
+
+    def _free_released(self) -> None:
+        """The slots released since the last call freed on the device, in one program."""
+        if self._released:
+            slots, self._released = self._released, []
+            self.device.release(slots, self.scheduler.running)
 
     def _fail_all(self, message: str) -> None:
         """After a failed step: the device state rebuilt (a failed call may have consumed its
         donated buffers), every request holding a slot finished with "abort" and ``message``;
         the waiting ones stay queued."""
         self._in_flight = None
+        self._released = []
         self.device.reset()
         for request in self.scheduler.running:
             self.scheduler.release(request)             # the new state holds nothing of it

@@ -158,9 +158,12 @@ class Device:
         self.state = set_page_rows(self.state, *replicated((self._slot_rows(grown), self._page_rows(grown)),
                                                            self.target.tensor_parallel))
 
-    def release(self, slot: int, running: list[Request]) -> None:
-        """``release_slots`` for a slot given back (``running``: the requests still holding slots)."""
-        self.state = self._with_statics(release_slots(self.state, jnp.asarray([slot], jnp.int32)), running)
+    def release(self, slots: list[int], running: list[Request]) -> None:
+        """``release_slots`` for the slots given back, padded to one row per slot (one program
+        however many; ``running``: the requests still holding slots)."""
+        rows = jnp.asarray(list(slots) + [self.slots] * (self.slots - len(slots)), jnp.int32)
+        self.state = self._with_statics(release_slots(self.state, *replicated((rows,), self.target.tensor_parallel)),
+                                        running)
 
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(rows, tokens) of a prefill call: rows a power of two, tokens a power of four from 16 up
@@ -223,8 +226,7 @@ class Device:
                                                np.zeros((count, chunk), np.int32), np.zeros((count,), np.int32))
         self.admit([], [])
         self.set_pages([])
-        self.state = release_slots(self.state, *replicated((jnp.asarray([self.slots], jnp.int32),),
-                                                           self.target.tensor_parallel))
+        self.release([], [])
         zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
         self.state, _ = engine_chunk(self.target.params, self._draft_params, self.state, zeros, zeros,
                                      self.replay_alpha, config=self.config, num_steps=self.chunk_steps,
