@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
+
+def subprocess_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess on ``devices`` CPU devices: the suite's own (conftest: its compile
+    options), the device count replaced."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags.strip()} --xla_force_host_platform_device_count={devices}"
 
 
 def fill_random(module: torch.nn.Module, seed: int, *, std: float = 0.02, embed_std: float = 1.0,

@@ -443,4 +443,5 @@ def test_engine_breakdown_times_every_program_of_each_mode(tmp_path):
     for row in report["rows"]:
         assert row["tokens"] == 6 * 10 and row["output_tok_s"] > 0
         assert set(row["programs"]) == set(engine_breakdown.PROGRAMS)
-        assert row["programs"]["prefill_slots"]["calls"] >= 1 and row["programs"]["release_slots"]["calls"] == 6
+        assert row["programs"]["prefill_slots"]["calls"] >= 1
+        assert 1 <= row["programs"]["release_slots"]["calls"] <= 6  # a step's finished slots in one call

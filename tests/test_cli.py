@@ -22,8 +22,8 @@ def model_dirs(tmp_path_factory):
 
 def _cli_env(**extra) -> dict:
     """A bare environment for a generate subprocess (plus ``extra``); compiled programs kept in the
-    suite's folder (conftest)."""
-    return {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+    suite's folder and compiled with the suite's flags (conftest)."""
+    return {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "XLA_FLAGS": os.environ["XLA_FLAGS"],
             "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"], **{k: str(v) for k, v in extra.items()}}
 
 
@@ -285,8 +285,8 @@ def test_cli_stream_prints_a_cut_character_at_the_end(model_dirs, monkeypatch, c
     (["--no-draft", "--block-size", "4"], "--block-size needs a draft"),
     (["--stats-json", "{tmp}/missing/stats.json"], "folder does not exist"),
     (["--stats-json", "{tmp}"], "is a folder: give a file name"),
-    (["--steps-per-check", "3"], "--steps-per-check (3) must be >= 1 and divide the steps per chunk (16: "
-                                 "--chunk-steps"),
+    (["--steps-per-check", "3"], "--steps-per-check (3) must be >= 1 and divide the steps per chunk "
+                                 "(--chunk-steps 16)"),
     (["--batch-file", "{upper}", "--no-draft"], 'upper.JSONL:1: expected an object with a "prompt" string'),
     (["--target", "{default}/draft", "--draft", "{default}/target"], "holds a DFlash draft, not a target; "
                                                                       "pass it as the draft (--draft)"),

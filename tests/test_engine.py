@@ -31,6 +31,17 @@ def _run(engine: Engine, prompts, params) -> list:
     return requests, outputs
 
 
+ALONE_TOKENS = 48   # the most any test's request here asks for, or more
+
+
+def _alone(target, prompt, max_tokens: int, draft=None) -> list[int]:
+    """Greedy ``generate`` of one prompt alone: the first ``max_tokens`` of a run of
+    ``ALONE_TOKENS`` (one engine shape for the calls, not one per length; greedy tokens do not
+    depend on how many follow)."""
+    assert max_tokens <= ALONE_TOKENS
+    return generate(target, [prompt], draft=draft, max_new_tokens=ALONE_TOKENS, impl="reference").tokens[0][:max_tokens]
+
+
 def _check_idle(engine: Engine) -> None:
     """Nothing leaked: every page free, nothing promised, every slot free."""
     assert engine.pages_in_use == 0 and engine.scheduler.promised == 0
@@ -49,7 +60,7 @@ def test_greedy_equals_offline_generation(spec_pair, with_draft):
                     chunk_steps=4, num_pages=40, impl="reference")
     requests, outputs = _run(engine, prompts, [RequestParams(max_tokens=m) for m in max_tokens])
     for prompt, m, request, pieces in zip(prompts, max_tokens, requests, outputs):
-        alone = generate(spec_pair.target, [prompt], draft=draft, max_new_tokens=m, impl="reference").tokens[0]
+        alone = _alone(spec_pair.target, prompt, m, draft)
         assert request.token_ids == alone
         assert sum((o.token_ids for o in pieces), []) == alone
         assert pieces[-1].finished and pieces[-1].finish_reason == "length"
@@ -85,8 +96,7 @@ def test_random_arrivals_lose_nothing(spec_pair):
         if request.cancelled:
             continue
         assert finals[index].finish_reason == "length"
-        alone = generate(spec_pair.target, [prompts[index]], draft=spec_pair.draft,
-                         max_new_tokens=request.params.max_tokens, impl="reference").tokens[0]
+        alone = _alone(spec_pair.target, prompts[index], request.params.max_tokens, spec_pair.draft)
         assert request.token_ids == alone
     assert any(r.cancelled for r in submitted.values())
     assert all(finals[i].finish_reason == "abort" for i, r in submitted.items() if r.cancelled)
@@ -194,8 +204,7 @@ def test_mixed_sampling_rows_keep_greedy_rows_exact(spec_pair):
     requests, _ = _run(engine, prompts, params)
     for prompt, request, setting in zip(prompts, requests, settings):
         if setting.greedy:
-            alone = generate(spec_pair.target, [prompt], draft=spec_pair.draft, max_new_tokens=12,
-                             impl="reference").tokens[0]
+            alone = _alone(spec_pair.target, prompt, 12, spec_pair.draft)
             assert request.token_ids == alone
     lone = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=4, max_model_len=96, page_size=8, impl="reference")
     again, _ = _run(lone, [prompts[1]], [params[1]])
@@ -302,8 +311,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, mon
     engine.run_until_done()
     for i, request in enumerate(requests):
         if i not in aborted:
-            alone = generate(spec_pair.target, [prompts[i]], draft=spec_pair.draft, max_new_tokens=30,
-                             impl="reference").tokens[0]
+            alone = _alone(spec_pair.target, prompts[i], 30, spec_pair.draft)
             assert request.token_ids == alone and finals[i].finish_reason == "length"
     _check_idle(engine)
 
@@ -328,3 +336,22 @@ def test_the_default_pool_fits_the_free_device_memory(spec_pair, monkeypatch, ca
     monkeypatch.setattr(device, "device_free_bytes", lambda: 5 * per_page)
     with pytest.raises(ValueError, match="not even one request of max_model_len 64 fits"):
         Engine(spec_pair.target, spec_pair.draft, **settings)
+
+
+def test_request_keys_are_each_requests_own_key():
+    """The admitted rows' keys, made in one program, are the per-request formula's: the seed's key
+    (over the whole [0, 2**32) range), or the engine's key folded with the arrival number, then
+    the sample index folded in."""
+    from dflash_jax.runtime.engine.device import request_keys
+
+    engine_key = jax.random.key(3)
+    rows = [(7, None, 0), (9, 5, 2), (1, 2**32 - 1, 0), (2**20, None, 3), (0, 0, 1), (2**31, 2**31, 7)]
+
+    def one(number, seed, index):
+        key = jax.random.fold_in(engine_key, number) if seed is None else jax.random.key(seed)
+        return jax.random.key_data(jax.random.fold_in(key, index))
+
+    numbers, seeds, indices = (np.asarray(column, np.uint32) for column in
+                               ([r[0] for r in rows], [r[1] or 0 for r in rows], [r[2] for r in rows]))
+    keys = request_keys(engine_key, numbers, seeds, np.asarray([r[1] is not None for r in rows]), indices)
+    np.testing.assert_array_equal(jax.random.key_data(keys), np.stack([one(*row) for row in rows]))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from builders import make_copy_draft, make_copy_target, save_draft, save_target
+from builders import make_copy_draft, make_copy_target, save_draft, save_target, subprocess_xla_flags
 
 from dflash_jax.runtime import distributed
 
@@ -48,7 +48,7 @@ def _free_port() -> int:
 def _generate(per_process: list[list]) -> list[subprocess.CompletedProcess]:
     """``python -m dflash_jax.generate`` once per entry of ``per_process`` (its arguments), all at
     once, each on one CPU device; every one still running after ``TIMEOUT`` is killed."""
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PATH": "/usr/bin:/bin",
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags(1), "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]}
     processes = [subprocess.Popen([sys.executable, "-m", "dflash_jax.generate", *map(str, args)], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -349,11 +349,14 @@ def _chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
+SLOTS = 2048   # the rows one prefill step takes (generation.PREFILL_TOKENS): every decode chunk runs full
+
+
 def _sample(tiny, sampling, *, draft=True, seed=0, accept_replay=None, block_size=None):
     target, draft_model = tiny[:2]
     out = generate(target, [PROMPT] * SAMPLES, draft=draft_model if draft else None, max_new_tokens=NEW,
                    sampling=sampling, seed=seed, impl="reference", accept_replay=accept_replay,
-                   block_size=block_size)
+                   block_size=block_size, max_num_seqs=SLOTS)
     tokens = np.array(out.tokens)
     assert tokens.shape == (SAMPLES, NEW)
     return tokens, out

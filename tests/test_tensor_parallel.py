@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from builders import subprocess_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI = Path("tests") / "multi_device"
@@ -33,7 +34,7 @@ def test_the_groups_hold_every_multi_device_test():
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_tensor_parallel_on_four_cpu_devices(group):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags(4)}
     run = subprocess.run([sys.executable, "-m", "pytest", *GROUPS[group], "-q", "-p", "no:cacheprovider"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
     output = run.stdout + run.stderr

@@ -286,8 +286,7 @@ def default_steps_per_check(num_steps: int) -> int:
 def check_steps_per_check(num_steps: int, steps_per_check: int) -> None:
     if steps_per_check < 1 or num_steps % steps_per_check:
         raise ValueError(f"steps_per_check ({steps_per_check}) must be >= 1 and divide the steps per "
-                         f"chunk ({num_steps}: chunk_steps, or without chunks max_new_tokens rounded up to "
-                         "a compiled size)")
+                         f"chunk (chunk_steps {num_steps})")
 
 
 def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,

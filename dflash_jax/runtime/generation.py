@@ -321,8 +321,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, draft: Draft |
 
     def between_steps(requests: list[Request]) -> None:
         nonlocal delivered
-        count = sum(len(r.token_ids) for r in requests)
-        if on_chunk is not None and count != delivered:
+        if on_chunk is not None and (count := sum(len(r.token_ids) for r in requests)) != delivered:
             delivered = count
             on_chunk([list(r.token_ids) for r in requests])
         if on_step is not None:

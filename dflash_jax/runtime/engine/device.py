@@ -142,7 +142,10 @@ class Device:
         """``admit_slots`` for the admitted requests (``running``: all those holding slots)."""
         pad = self.slots - len(admitted)
         settings = [r.params.sampling for r in admitted] + [SamplingConfig()] * pad
-        keys = jnp.stack([self._request_key(r) for r in admitted] + [self._key] * pad)
+        keys = request_keys(self._key, np.asarray([r.number for r in admitted] + [0] * pad, np.uint32),
+                            np.asarray([r.params.seed or 0 for r in admitted] + [0] * pad, np.uint32),
+                            np.asarray([r.params.seed is not None for r in admitted] + [False] * pad),
+                            np.asarray([r.params.sample_index for r in admitted] + [0] * pad, np.uint32))
         stops = np.full((self.slots, self.state.stop_tokens.shape[1]), -1, np.int32)
         for row, request in enumerate(admitted):
             ids = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else self.eos_ids)
@@ -234,11 +237,6 @@ class Device:
         jax.block_until_ready(self.state)
         return len(shapes) + 4
 
-    def _request_key(self, request: Request) -> jax.Array:
-        seed = request.params.seed
-        key = jax.random.fold_in(self._key, request.number) if seed is None else jax.random.key(seed)
-        return jax.random.fold_in(key, request.params.sample_index)
-
     def _with_statics(self, state: DecodeState, running: list[Request]) -> DecodeState:
         """The state's static choices for the requests holding slots: greedy when all are; the
         top-k candidates capped at ``top_k_cap`` (one compiled variant for any top-k); the
@@ -263,6 +261,18 @@ class Device:
         for row, request in enumerate(requests):
             table[row, :len(request.pages)] = request.pages
         return jnp.asarray(table)
+
+
+@jax.jit
+def request_keys(engine_key: jax.Array, numbers: jax.Array, seeds: jax.Array, seeded: jax.Array,
+                 sample_indices: jax.Array) -> jax.Array:
+    """Each row's sampling key [rows]: ``jax.random.key(seed)`` where ``seeded``, else the engine's
+    key folded with the request's arrival number; then its sample index folded in. One program
+    for all rows (stacking one key per request compiled a concatenation of thousands)."""
+    own = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
+    drawn = jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(engine_key, numbers))
+    keys = jax.random.wrap_key_data(jnp.where(seeded[:, None], own, drawn), impl=jax.random.key_impl(engine_key))
+    return jax.vmap(jax.random.fold_in)(keys, sample_indices)
 
 
 def _on_host(tree):
