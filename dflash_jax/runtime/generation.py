@@ -20,6 +20,7 @@ from dflash_jax.loading.models import Draft, Target
 from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.config import ModelConfig
 from dflash_jax.runtime.decode import bucket
+from dflash_jax.runtime.engine.core import PREFILL_CHUNK
 from dflash_jax.runtime.engine import (MAX_STOP_TOKEN_IDS, Engine, Request, RequestOutput, RequestParams,
                                        compile_seconds)
 from dflash_jax.runtime.sampling import SamplingConfig
@@ -202,7 +203,7 @@ def batch_engine(target: Target, draft: Draft | None, prompt_lengths: Sequence[i
         slots = min(slots, max_num_seqs)
     needed = max(prompt_lengths) + max(max_new_tokens)
     max_model_len = min(bucket(needed, per_doubling=4), target.config.max_position_embeddings)
-    row_tokens = min(next_power_of_2(max(prompt_lengths)), engine_options.get("prefill_chunk", 512))
+    row_tokens = min(next_power_of_2(max(prompt_lengths)), engine_options.get("prefill_chunk", PREFILL_CHUNK))
     prefill_rows = min(slots, max(8, PREFILL_TOKENS // row_tokens))
     return Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=max_model_len,
                   max_waiting=max(len(prompt_lengths), 1), prefill_rows=prefill_rows, **engine_options)

@@ -24,6 +24,8 @@ from dflash_jax.runtime.engine.scheduler import QueueFullError, Scheduler
 
 log = logging.getLogger(__name__)
 
+PREFILL_CHUNK = 512   # prompt tokens a row runs per engine step, unless an engine is given another
+
 
 class Engine:
     """Continuous batching over ``max_num_seqs`` slots (the package docstring). ``submit`` from
@@ -41,7 +43,7 @@ class Engine:
     def __init__(self, target: Target, draft: Draft | None = None, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_pages: int | None = None,
                  page_size: int = 16, block_size: int | None = None, chunk_steps: int = 8,
-                 steps_per_check: int | None = None, prefill_chunk: int = 512, prefill_rows: int = 8,
+                 steps_per_check: int | None = None, prefill_chunk: int = PREFILL_CHUNK, prefill_rows: int = 8,
                  max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
                  accept_replay: float | None = None):
