@@ -4,9 +4,7 @@ arithmetic and the argument checks do."""
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,21 +24,25 @@ import engine_breakdown  # noqa: E402
 import profile_step  # noqa: E402
 
 
-def run_bench_e2e(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--shape", "tiny",
-                           "--out", str(tmp_path / "out"), "--compile-cache", str(tmp_path / "cache"),
-                           "--repeats", "2", "--steps", "4", *args],
-                          env=env, capture_output=True, text=True, timeout=1200)
+def run_bench_e2e(tmp_path, capsys, *args) -> tuple[int, str, str]:
+    """bench_e2e at the tiny shape, in this process: (exit status, standard output, standard
+    error)."""
+    try:
+        bench_e2e.main(["--shape", "tiny", "--out", str(tmp_path / "out"), "--repeats", "2", "--steps", "4", *args])
+        status = 0
+    except SystemExit as exit_info:
+        status = exit_info.code
+    printed = capsys.readouterr()
+    return status, printed.out, printed.err
 
 
-def test_bench_e2e_reports_every_context_against_its_own_baseline(tmp_path):
+def test_bench_e2e_reports_every_context_against_its_own_baseline(tmp_path, capsys):
     reference = tmp_path / "reference.json"
     reference.write_text(json.dumps({"torch": "fake-torch", "dflash": "fake-dflash", "context": 48,
                                      "decode_step_s": 0.02, "dflash_step_s": 0.03}))
-    done = run_bench_e2e(tmp_path, "--batches", "1", "--contexts", "16,48", "--blocks", "16",
-                         "--alphas", "0.86", "--parts-batches", "1", "--reference-json", str(reference))
-    assert done.returncode == 0, done.stderr[-3000:]
+    status, out, err = run_bench_e2e(tmp_path, capsys, "--batches", "1", "--contexts", "16,48", "--blocks", "16",
+                                     "--alphas", "0.86", "--parts-batches", "1", "--reference-json", str(reference))
+    assert status == 0, err[-3000:]
     report = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())
     assert report["command"] and report["settings"]["steps"] == 4 and report["jax"] and report["device"]
     assert set(report["decode"]) == {"bs1_ctx16", "bs1_ctx48"}
@@ -61,14 +63,14 @@ def test_bench_e2e_reports_every_context_against_its_own_baseline(tmp_path):
     # Ours is compared with the reference at its context, both at the expected tau.
     assert report["reference"]["compared_with"] == {"0.86": "bs1_ctx48_block16_alpha0.86"}
     assert math.isclose(report["reference"]["tokens_per_s_at"]["0.86"], bench_e2e.expected_tau(0.86, 16) / 0.03)
-    assert "reference (dflash fake-dflash, torch fake-torch)" in done.stdout
-    assert "ours / reference at bs 1, ctx 48, block 16" in done.stdout
+    assert "reference (dflash fake-dflash, torch fake-torch)" in out
+    assert "ours / reference at bs 1, ctx 48, block 16" in out
 
 
-def test_bench_e2e_rejects_a_missing_reference_json_before_running(tmp_path):
-    done = run_bench_e2e(tmp_path, "--reference-json", str(tmp_path / "missing.json"))
-    assert done.returncode == 2
-    assert "no such file" in done.stderr
+def test_bench_e2e_rejects_a_missing_reference_json_before_running(tmp_path, capsys):
+    status, _, err = run_bench_e2e(tmp_path, capsys, "--reference-json", str(tmp_path / "missing.json"))
+    assert status == 2
+    assert "no such file" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -271,19 +273,19 @@ def test_replay_draws_depend_on_the_prefill_seed(tiny_models):
     assert (lengths[0] == lengths[2]).all() and not (lengths[0] == lengths[1]).all()
 
 
-def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_kernels.py"), "--shape", "tiny",
-                           "--op", "write_kv", "--cases", "1:0:16,2:4", "--rounds", "2", "--steps", "2",
-                           "--repeats", "1", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_ab_kernels_alternates_the_op_and_reports_both_settings(tmp_path, capsys):
+    from dflash_jax.model import ops
+
+    default = dict(ops.AUTO_KERNELS)
+    ab_kernels.main(["--shape", "tiny", "--op", "write_kv", "--cases", "1:0:16,2:4", "--rounds", "2", "--steps", "2",
+                     "--repeats", "1", "--out", str(tmp_path)])
+    assert ops.AUTO_KERNELS == default   # the op's setting restored
     rows = json.loads((tmp_path / "ab_kernels.json").read_text())["rows"]
     settings = [(r["round"], r["on"], r["batch"], r["block"], r["context"]) for r in rows]
     assert settings == [(n, on, *case) for n, order in ((0, (True, False)), (1, (False, True))) for on in order
                         for case in ((1, 0, 16), (2, 4, 512))]  # the order turns each round: a drift hits both
     assert all(r["ms_per_step"] > 0 for r in rows)
-    assert "| bs 2, ctx 512, DFlash block 4 |" in done.stdout
+    assert "| bs 2, ctx 512, DFlash block 4 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("cases, message", [

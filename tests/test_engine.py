@@ -32,14 +32,22 @@ def _run(engine: Engine, prompts, params) -> list:
 
 
 ALONE_TOKENS = 48   # the most any test's request here asks for, or more
+_ALONE: dict[tuple[int, int], tuple] = {}   # (target, draft) ids -> (target, draft, engine)
 
 
 def _alone(target, prompt, max_tokens: int, draft=None) -> list[int]:
-    """Greedy ``generate`` of one prompt alone: the first ``max_tokens`` of a run of
-    ``ALONE_TOKENS`` (one engine shape for the calls, not one per length; greedy tokens do not
-    depend on how many follow)."""
+    """Greedy tokens of ``prompt`` decoded alone (offline, one slot): the first ``max_tokens`` of
+    ``ALONE_TOKENS``, from one engine kept per model pair, so that every call runs the same
+    compiled programs (greedy tokens depend neither on how many follow nor on the engine's
+    sizes)."""
     assert max_tokens <= ALONE_TOKENS
-    return generate(target, [prompt], draft=draft, max_new_tokens=ALONE_TOKENS, impl="reference").tokens[0][:max_tokens]
+    key = (id(target), id(draft))
+    if key not in _ALONE:   # the models are kept beside their engine: their ids stay theirs
+        _ALONE[key] = target, draft, Engine(target, draft, max_num_seqs=1, max_model_len=128, impl="reference")
+    engine = _ALONE[key][2]
+    request = engine.submit(prompt, RequestParams(max_tokens=ALONE_TOKENS))
+    engine.run_until_done()
+    return request.token_ids[:max_tokens]
 
 
 def _check_idle(engine: Engine) -> None:
@@ -51,8 +59,8 @@ def _check_idle(engine: Engine) -> None:
 @pytest.mark.parametrize("with_draft", [True, False], ids=["dflash", "plain"])
 def test_greedy_equals_offline_generation(spec_pair, with_draft):
     """More requests than slots, prompts longer than a prefill chunk, ragged max_tokens, a pool
-    smaller than every slot at full length: every request's tokens equal offline ``generate``
-    of it alone, and the streamed pieces join to the whole."""
+    smaller than every slot at full length: every request's tokens equal its tokens decoded
+    alone (``_alone``), and the streamed pieces join to the whole."""
     draft = spec_pair.draft if with_draft else None
     prompts = _prompts(7, seed=3)
     max_tokens = [5, 17, 33, 1, 24, 9, 40]

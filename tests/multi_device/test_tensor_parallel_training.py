@@ -3,7 +3,6 @@
 devices)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ if jax.device_count() < 4:   # run on its own (the main suite's conftest does no
                 "tests/test_tensor_parallel.py runs it", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_e2e  # noqa: E402
+import profile_step  # noqa: E402
 
 
 def test_a_draft_trained_against_a_split_target_equals_one_trained_on_one_device(tmp_path):
@@ -48,17 +50,15 @@ def test_a_draft_trained_against_a_split_target_equals_one_trained_on_one_device
             np.testing.assert_allclose(exported[tp][name], weight, rtol=1e-4, atol=1e-5, err_msg=f"tp {tp}: {name}")
 
 
-def test_the_benchmark_times_split_models_on_cpu(tmp_path):
+def test_the_benchmark_times_split_models_on_cpu(tmp_path, capsys):
     """bench_e2e --tp 2 (draft split, then replicated) runs the tiny shape end to end, reports its
     split, and measures the all-reduces its floors count (one row for decode, 4 for the block)."""
     for extra in ([], ["--replicate-draft"]):
-        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--shape", "tiny",
-                               "--out", str(tmp_path), "--tp", "2", *extra, "--skip", "parts", "--batches", "1",
-                               "--contexts", "16", "--blocks", "4", "--alphas", "0.86", "--repeats", "1"],
-                              capture_output=True, text=True, cwd=ROOT, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "tiny | tp 2" + (", draft replicated" if extra else " |") in done.stdout
-        assert "bs1_ctx16_block4_alpha0.86" in done.stdout
+        bench_e2e.main(["--shape", "tiny", "--out", str(tmp_path), "--tp", "2", *extra, "--skip", "parts",
+                        "--batches", "1", "--contexts", "16", "--blocks", "4", "--alphas", "0.86", "--repeats", "1"])
+        printed = capsys.readouterr().out
+        assert "tiny | tp 2" + (", draft replicated" if extra else " |") in printed
+        assert "bs1_ctx16_block4_alpha0.86" in printed
         report = json.loads((tmp_path / "bench_e2e.json").read_text())
         assert sorted(report["allreduce_us"]) == ["1", "4"] and all(us > 0 for us in report["allreduce_us"].values())
 
@@ -66,10 +66,6 @@ def test_the_benchmark_times_split_models_on_cpu(tmp_path):
 def test_the_profiler_profiles_split_models_on_cpu(tmp_path):
     """profile_step --tp 2 traces both modes of the tiny shape split over two devices (no GPU
     kernels on a CPU: the run, not the kernel table, is what is checked here)."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--shape", "tiny", "--tp", "2",
-                           "--steps", "2", "--top", "1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    profile_step.main(["--shape", "tiny", "--tp", "2", "--steps", "2", "--top", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["decode"]["traced_wall_ms_per_step"] > 0 and report["dflash"]["traced_wall_ms_per_step"] > 0
-
