@@ -23,8 +23,7 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # One thread per process for XLA's and torch's (OpenMP) matrix products: the workers and the
 # subprocesses already fill the cores, and threads that wait by spinning on a full machine cost it
-# about an eighth of its CPU time (tests/test_target.py + test_dflash.py on two workers: 211 s ->
-# 185 s). The XLA flag is jaxlib 0.10's, as above.
+# about an eighth of its CPU time. The XLA flag is set on jaxlib 0.10, as above.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"] and \
         importlib.metadata.version("jaxlib").startswith("0.10."):

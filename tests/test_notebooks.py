@@ -21,7 +21,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 1800  # seconds; the longest cell (04's training run) takes ~2 minutes on 2 idle cores
 # Notebooks whose run time outweighs their compile time (04 regenerates its data and trains): their
 # kernel runs at XLA's default optimisation level, not at the suite's level 0 (conftest), which
-# compiles faster but runs large batches ~3x slower (04: 183 s against 242 s on one idle core)
+# compiles faster but runs large batches about 3x slower
 RUN_TIME_BOUND = {"04_train_a_draft"}
 
 
