@@ -14,19 +14,19 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+_JAXLIB_0_10 = importlib.metadata.version("jaxlib").startswith("0.10.")   # the CPU machine's; flags below
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     # tiny models run in no time at any level, and XLA:CPU compiles a third faster at level 0,
     # another tenth faster without LLVM's expensive passes, and 10-25% faster with its former
     # (not MLIR) fusion emitters, which jaxlib 0.11 no longer has (an unknown flag aborts XLA)
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    if importlib.metadata.version("jaxlib").startswith("0.10."):
+    if _JAXLIB_0_10:
         os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # One thread per process for XLA's and torch's (OpenMP) matrix products: the workers and the
 # subprocesses already fill the cores, and threads that wait by spinning on a full machine cost it
 # about an eighth of its CPU time. The XLA flag is set on jaxlib 0.10, as above.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"] and \
-        importlib.metadata.version("jaxlib").startswith("0.10."):
+if _JAXLIB_0_10 and "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 if "PYTEST_XDIST_WORKER" not in os.environ:
     # One folder for the run, which pytest-xdist's workers inherit: compiled programs are kept

@@ -20,9 +20,8 @@ from dflash_jax.loading.models import Draft, Target
 from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.config import ModelConfig
 from dflash_jax.runtime.decode import bucket
-from dflash_jax.runtime.engine.core import PREFILL_CHUNK
-from dflash_jax.runtime.engine import (MAX_STOP_TOKEN_IDS, Engine, Request, RequestOutput, RequestParams,
-                                       compile_seconds)
+from dflash_jax.runtime.engine import (MAX_STOP_TOKEN_IDS, PREFILL_CHUNK, Engine, Request, RequestOutput,
+                                       RequestParams, compile_seconds)
 from dflash_jax.runtime.sampling import SamplingConfig
 from pallas_kernels.tuning import next_power_of_2
 

@@ -23,11 +23,11 @@ page accounting, admission), ``device`` (the decode state and the programs on it
 (``Engine``, which composes them and runs the steps).
 """
 
-from dflash_jax.runtime.engine.core import Engine
+from dflash_jax.runtime.engine.core import PREFILL_CHUNK, Engine
 from dflash_jax.runtime.engine.device import compile_seconds
 from dflash_jax.runtime.engine.output import EngineStats
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request, RequestOutput, RequestParams, TokenLogprob
 from dflash_jax.runtime.engine.scheduler import QueueFullError
 
-__all__ = ["MAX_STOP_TOKEN_IDS", "Engine", "EngineStats", "QueueFullError", "Request", "RequestOutput",
-           "RequestParams", "TokenLogprob", "compile_seconds"]
+__all__ = ["MAX_STOP_TOKEN_IDS", "PREFILL_CHUNK", "Engine", "EngineStats", "QueueFullError", "Request",
+           "RequestOutput", "RequestParams", "TokenLogprob", "compile_seconds"]
