@@ -60,6 +60,20 @@ def test_kernels_match_reference_end_to_end(target_config):
     assert spec_kernels.stats.accept_lengths == spec_ref.stats.accept_lengths
 
 
+def test_tpu_kernels_match_reference_end_to_end():
+    """The TPU kernels in TPU interpret mode: a target whose sliding layers every sequence
+    outgrows, a draft with a causal sliding layer and a full one, ragged prompts (the padded
+    prefill queries reach past the page tables)."""
+    target, draft = _models(SLIDING_TARGET, DRAFT, 0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 90, n).tolist() for n in (5, 19, 33)]
+    kwargs = dict(max_new_tokens=[20, 13, 24], stop_token_ids=None, page_size=16)
+    spec_ref = generate(target, prompts, draft=draft, impl="reference", **kwargs)  # equals plain decoding: above
+    spec_tpu = generate(target, prompts, draft=draft, impl="interpret-tpu", **kwargs)
+    assert spec_tpu.tokens == spec_ref.tokens
+    assert spec_tpu.stats.accept_lengths == spec_ref.stats.accept_lengths
+
+
 def test_kernel_shape_limits_raise_before_compiling(models):
     target, _ = models
     odd = Target(uniform_config(num_layers=3, **{**SHAPE, "head_dim": 48}), target.params)
@@ -90,22 +104,28 @@ def test_gqa_group_that_is_not_a_power_of_two():
 
 
 def test_dispatch_point(monkeypatch):
-    """auto: the kernels AUTO_KERNELS lists, where the device can run them; pallas there only,
-    with the reason elsewhere; interpret runs anywhere; anything else is refused."""
-    from dflash_jax.model.ops import AUTO_KERNELS, resolve_impl
+    """auto: the GPU kernels AUTO_KERNELS lists where the device can run them, the TPU kernels on
+    a TPU; pallas on those only, with the reason elsewhere; interpret and interpret-tpu run
+    anywhere; anything else is refused."""
+    from dflash_jax.model import ops
+    from dflash_jax.model.ops import AUTO_KERNELS, TPU_KERNELS, resolve_impl
     from pallas_kernels import tuning
     able = tuning.kernel_device_problem() is None
     if jax.default_backend() == "cpu":  # CI
-        assert not able
-    for op, on in AUTO_KERNELS.items():
-        assert resolve_impl("auto", op) == ("pallas" if able and on else "reference")
-        assert resolve_impl("interpret", op) == "interpret" and resolve_impl("reference", op) == "reference"
-    monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: "the device is a TPU, not a GPU")
+        assert not able and not ops.on_tpu()
+        for op, on in AUTO_KERNELS.items():
+            assert resolve_impl("auto", op) == "reference"
+            assert resolve_impl("interpret", op) == "gpu-interpret" and resolve_impl("reference", op) == "reference"
+            assert resolve_impl("interpret-tpu", op) == ("tpu-interpret" if TPU_KERNELS[op] else "reference")
+    monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: "the device is a CPU, not a GPU")
     assert resolve_impl("auto", "verify_attention") == "reference"
-    with pytest.raises(ValueError, match="'pallas' cannot run here: the device is a TPU, not a GPU; use 'reference'"):
+    with pytest.raises(ValueError, match="'pallas' cannot run here: the device is a CPU, not a GPU or a TPU; use 'ref"):
         resolve_impl("pallas", "verify_attention")
     monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: None)
-    assert resolve_impl("auto", "verify_attention") == "pallas" and resolve_impl("pallas", "fused_matmul") == "pallas"
-    assert resolve_impl("auto", "fused_matmul") == ("pallas" if AUTO_KERNELS["fused_matmul"] else "reference")
+    assert resolve_impl("auto", "verify_attention") == "gpu" and resolve_impl("pallas", "fused_matmul") == "gpu"
+    assert resolve_impl("auto", "fused_matmul") == ("gpu" if AUTO_KERNELS["fused_matmul"] else "reference")
+    monkeypatch.setattr(ops, "on_tpu", lambda: True)
+    for op, on in TPU_KERNELS.items():
+        assert resolve_impl("auto", op) == resolve_impl("pallas", op) == ("tpu" if on else "reference")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_impl("triton", "verify_attention")

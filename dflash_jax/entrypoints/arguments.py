@@ -26,7 +26,7 @@ MXFP4_CHOICES = ("auto", "keep", "dequantize")
 MXFP4_EXPERTS_HELP = ("how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
                       "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster DFlash "
                       "steps), auto (dequantize where that fits 80%% of a device's memory for JAX)")
-IMPLS = ("auto", "reference", "pallas", "interpret")
+IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
 # A server on a CPU answers its first request in seconds with a small pool: every slot at the
 # target's full context (4096 positions x 16 slots for the embedded pair) takes tens of seconds a
 # request there.
@@ -55,8 +55,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "runs 2-3x slower)")
     p.add_argument("--impl", default="auto", choices=IMPLS,
                    help="auto: on an NVIDIA GPU of compute capability >= 8.0 the attention kernels and the "
-                        "norm/RoPE kernels that write KV pages, XLA for the rest; references elsewhere. pallas: "
-                        "every kernel; interpret: the kernels in Pallas interpret mode (slow; for checking)")
+                        "norm/RoPE kernels that write KV pages, XLA for the rest; on a TPU the TPU kernels; "
+                        "references elsewhere. pallas: every kernel of the backend; interpret: the GPU kernels in "
+                        "Pallas interpret mode; interpret-tpu: the TPU kernels in TPU interpret mode (both slow; "
+                        "for checking on a CPU)")
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor parallelism: split the target (and the draft) over this many devices; each "
                         "device reads only its slices of the checkpoint")

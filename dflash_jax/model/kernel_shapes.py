@@ -26,15 +26,16 @@ def check_kernel_shapes(impl: AttentionImpl, configs: Sequence[ModelConfig], pag
     specs = sorted({layer.mixer for config in configs for layer in config.layers
                     if isinstance(layer.mixer, AttentionSpec)}, key=repr)
     problems = []
-    if resolve_impl(impl, "verify_attention") != "reference":
+    attention = resolve_impl(impl, "verify_attention")
+    if attention != "reference":
         for head_dim in sorted({spec.head_dim for spec in specs}):
             if not (power_of_two(head_dim) and head_dim >= 16):
                 problems.append(f"head_dim {head_dim} (needs a power of two >= 16)")
         if not power_of_two(page_size):
             problems.append(f"page_size {page_size} (needs a power of two)")
-        if block_size > 128:
+        if attention.startswith("gpu") and block_size > 128:
             problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
-        if not problems:
+        if attention.startswith("gpu") and not problems:
             for spec in specs:  # the draft kernel's shared memory (the largest of the attention kernels')
                 try:
                     pk_tuning.attention_blocks(

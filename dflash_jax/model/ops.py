@@ -4,24 +4,34 @@ Every operation that has a kernel goes through here: the paged attention of targ
 the norm + RoPE (+ page write) of q/k/v, the projections, the routed MoE experts.
 
 ``impl`` is a static choice threaded through every forward:
-- ``"auto"``: on an NVIDIA GPU of compute capability >= 8.0, the kernels that beat XLA there
-  (``AUTO_KERNELS``); references elsewhere (CPU, ROCm, older GPUs);
+- ``"auto"``: on an NVIDIA GPU of compute capability >= 8.0, the GPU kernels that beat XLA there
+  (``AUTO_KERNELS``); on a TPU, the TPU kernels (``TPU_KERNELS``); references elsewhere (CPU,
+  ROCm, older GPUs) and for the other operations;
 - ``"reference"``: plain jnp everywhere;
-- ``"pallas"``: every kernel, compiled (such a GPU only; a clear error elsewhere);
-- ``"interpret"``: every kernel in Pallas interpret mode (any backend; slow, for tests).
+- ``"pallas"``: every kernel of the backend, compiled (on a TPU the operations without a TPU
+  kernel run their references; a clear error off GPUs and TPUs);
+- ``"interpret"``: every GPU kernel in Pallas interpret mode (any backend; slow, for tests);
+- ``"interpret-tpu"``: the TPU kernels in TPU interpret mode (``pltpu.InterpretParams``: DMAs
+  and semaphores simulated on a CPU), the references for the rest.
+
+``resolve_impl`` turns the choice into one of ``KERNEL_CHOICES`` per operation.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import jax
+
 import pallas_kernels as pk
+from pallas_kernels import tpu as pk_tpu
 from pallas_kernels import tuning as pk_tuning
 
 from dflash_jax.model.collectives import sum_partials
 
-AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
-IMPLS = ("auto", "reference", "pallas", "interpret")
+AttentionImpl = Literal["auto", "reference", "pallas", "interpret", "interpret-tpu"]
+IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
+KERNEL_CHOICES = ("reference", "gpu", "gpu-interpret", "tpu", "tpu-interpret")
 
 
 # What "auto" runs as a kernel on GPU, per operation. Measured (benchmarks/RESULTS.md): the paged
@@ -40,21 +50,41 @@ AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": T
                 "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": False,
                 "routed_experts": True, "gated_delta_rule": True}
 
+# The operations with a Mosaic TPU kernel (pallas_kernels.tpu); "auto" and "pallas" run them on a TPU.
+TPU_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": False,
+               "qkv_norm_rope_write": False, "qkv_norm_rope": False, "fused_matmul": False,
+               "routed_experts": False, "gated_delta_rule": False}
+
+
+def on_tpu() -> bool:
+    """Whether jax's default backend is a TPU."""
+    return jax.default_backend() == "tpu"
+
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
-    """Turn ``auto`` into a concrete choice for ``op`` and reject combinations that cannot run."""
+    """The ``KERNEL_CHOICES`` entry ``impl`` selects for ``op`` on this backend; a clear error
+    for combinations that cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return "reference"
+    if impl == "interpret":
+        return "gpu-interpret"
+    if impl == "interpret-tpu":
+        return "tpu-interpret" if TPU_KERNELS[op] else "reference"
+    if on_tpu():
+        return "tpu" if TPU_KERNELS[op] else "reference"
+    problem = pk_tuning.kernel_device_problem()
     if impl == "auto":
-        return "pallas" if AUTO_KERNELS[op] and pk_tuning.kernel_device_problem() is None else "reference"
-    if impl == "pallas" and (problem := pk_tuning.kernel_device_problem()) is not None:
-        raise ValueError(f"attention impl 'pallas' cannot run here: {problem}; use 'reference' "
-                         "(or 'interpret', the kernels interpreted, slow)")
-    return impl
+        return "gpu" if AUTO_KERNELS[op] and problem is None else "reference"
+    if problem is not None:
+        raise ValueError(f"attention impl 'pallas' cannot run here: {problem} or a TPU; use 'reference' "
+                         "(or 'interpret' / 'interpret-tpu', the GPU / TPU kernels interpreted, slow)")
+    return "gpu"
 
 
 def _kernel_kwargs(impl: str) -> dict:
-    return {"interpret": impl == "interpret"}
+    return {"interpret": impl == "gpu-interpret"}
 
 
 def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, impl, sinks=None):
@@ -64,6 +94,9 @@ def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, 
     if impl == "reference":
         return pk.paged_verify_attention_reference(q, k_pages, v_pages, page_table, start,
                                                    sliding_window=sliding_window, sinks=sinks)
+    if impl.startswith("tpu"):
+        return pk_tpu.paged_verify_attention(q, k_pages, v_pages, page_table, start, sliding_window=sliding_window,
+                                             sinks=sinks, interpret=impl == "tpu-interpret")
     return pk.paged_verify_attention(q, k_pages, v_pages, page_table, start,
                                      sliding_window=sliding_window, sinks=sinks, **_kernel_kwargs(impl))
 
@@ -76,6 +109,10 @@ def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, bloc
         return pk.paged_draft_attention_reference(q, k_pages, v_pages, page_table, context_lens,
                                                   block_k, block_v, block_lens,
                                                   sliding_window=sliding_window, causal=causal)
+    if impl.startswith("tpu"):
+        return pk_tpu.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
+                                            block_lens, sliding_window=sliding_window, causal=causal,
+                                            interpret=impl == "tpu-interpret")
     return pk.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
                                     block_lens, sliding_window=sliding_window, causal=causal,
                                     **_kernel_kwargs(impl))
