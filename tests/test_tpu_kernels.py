@@ -88,19 +88,12 @@ def test_draft_attention_matches_reference(case):
 # Compiled for real TPUs ---------------------------------------------------------------------------
 
 libtpu = pytest.importorskip("libtpu", reason='the TPU compiler comes with pip install -e ".[tpu]"')
+from pallas_kernels.tpu.compile import compile_for  # noqa: E402
 
 
 def tpu_device(topology: str):
-    from jax.experimental import topologies
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
-
-
-def compile_for(device, fn, *shapes):
-    """fn compiled for ``device`` from (shape, dtype) pairs; Mosaic reads the chip from the default device."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
-    with jax.default_device(device):
-        return jax.jit(fn).lower(*structs).compile()
+    from pallas_kernels.tpu.compile import topology_devices
+    return topology_devices(topology)[0]
 
 
 # Qwen3-8B's attention (32 query heads, 8 KV heads of 128) over 2048-token contexts in 16-token
