@@ -239,6 +239,16 @@ def _norm_rope_write_kernel(*refs, normalize: bool, q_len: int, heads: int, bloc
                 v.astype(v_pages_ref.dtype))
 
 
+def check_norm_rope_write_args(k, v, k_norm_weight, cos, sin, positions, k_pages, v_pages, page_table) -> None:
+    """ValueError naming the argument of a norm_rope_write call (either backend's) that is wrong."""
+    _check_rows("k", k, k_norm_weight, "k_norm_weight")
+    _check_positions(positions, k.shape)
+    _check_tables("k", k.shape, cos, sin)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
+    _check_pages(k, k_pages, v_pages, page_table)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_rows", "num_warps", "num_stages"))
 def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array | None, cos: jax.Array, sin: jax.Array,
                     positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, *,
@@ -252,12 +262,7 @@ def norm_rope_write(k: jax.Array, v: jax.Array, k_norm_weight: jax.Array | None,
     them (or call inside a jit that owns them) and the update is in place; otherwise XLA copies
     them first.
     """
-    _check_rows("k", k, k_norm_weight, "k_norm_weight")
-    _check_positions(positions, k.shape)
-    _check_tables("k", k.shape, cos, sin)
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {v.shape} != k shape {k.shape}")
-    _check_pages(k, k_pages, v_pages, page_table)
+    check_norm_rope_write_args(k, v, k_norm_weight, cos, sin, positions, k_pages, v_pages, page_table)
     batch, q_len, heads, head_dim = k.shape
     num_rows = batch * q_len * heads
     block_rows = _rows_per_program(block_rows, num_rows)

@@ -404,11 +404,13 @@ def test_draft_internals_match_reference(random_pair):
 # The Pallas kernels forced on (interpret mode) against the same references
 
 
-def test_kernels_lossless_and_reference_parity(spec_pair, baseline):
-    """Long accepted runs (steps that commit many tokens) through every kernel: tokens equal the
-    target's greedy output and dflash_generate's, acceptance lengths equal dflash_generate's."""
+@pytest.mark.parametrize("impl", ["interpret", "interpret-tpu"])
+def test_kernels_lossless_and_reference_parity(spec_pair, baseline, impl):
+    """Long accepted runs (steps that commit many tokens) through every kernel (GPU's, or TPU's in
+    TPU interpret mode): tokens equal the target's greedy output and dflash_generate's,
+    acceptance lengths equal dflash_generate's."""
     prompts, expected = baseline
-    out = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl="interpret")
+    out = generate(spec_pair.target, prompts, draft=spec_pair.draft, max_new_tokens=MAX_NEW, impl=impl)
     assert out.tokens == expected
     for b, prompt in enumerate(prompts):
         ref_tokens, ref_accept = reference(spec_pair.hf_draft, spec_pair.hf_target, prompt, MAX_NEW)

@@ -163,8 +163,8 @@ def _reference_runs(hf_draft, hf_target, prompts, max_new=MAX_NEW, block=None):
     return runs
 
 
-@pytest.mark.parametrize("block", [None, 6])
-def test_dflash2_greedy_tokens_and_acceptance_equal_the_reference(qwen3_dflash2, block, monkeypatch):
+@pytest.mark.parametrize("block,impl", [(None, "reference"), (6, "reference"), (None, "interpret-tpu")])
+def test_dflash2_greedy_tokens_and_acceptance_equal_the_reference(qwen3_dflash2, block, impl, monkeypatch):
     import dflash.model as dm
 
     monkeypatch.setattr(dm, "_cuda_time", lambda: 0.0)
@@ -172,7 +172,7 @@ def test_dflash2_greedy_tokens_and_acceptance_equal_the_reference(qwen3_dflash2,
     assert draft.config.selector == SelectorSpec(6, 5) and draft.config.model.layers[0].conv == ConvSpec(2, 8)
     prompts = _prompts(target.config.vocab_size)
     plain = generate(target, prompts, max_new_tokens=MAX_NEW, impl="reference")
-    ours = generate(target, prompts, draft=draft, max_new_tokens=MAX_NEW, block_size=block, impl="reference")
+    ours = generate(target, prompts, draft=draft, max_new_tokens=MAX_NEW, block_size=block, impl=impl)
     assert ours.tokens == plain.tokens
     for b, (tokens, accept) in enumerate(_reference_runs(hf_draft, hf_target, prompts, block=block)):
         assert ours.tokens[b] == tokens

@@ -66,11 +66,13 @@ def test_dflash_lossless_and_reference_parity(family_pair, block):
     assert max(flat) >= min(block, 4) and len(set(flat)) >= 3, f"acceptance not varied: {sorted(set(flat))}"
 
 
-def test_dflash_through_every_kernel(family_pair):
-    """The same with every Pallas kernel interpreted (the routed-experts kernel for the MoE)."""
+@pytest.mark.parametrize("impl", ["interpret", "interpret-tpu"])
+def test_dflash_through_every_kernel(family_pair, impl):
+    """The same with every Pallas kernel interpreted: the GPU kernels (the routed-experts kernel
+    for the MoE), or the TPU kernels in TPU interpret mode."""
     pair = family_pair
     prompts = _prompts(pair.target.config.vocab_size)[:2]
-    ours = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=24, impl="interpret")
+    ours = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=24, impl=impl)
     for b, prompt in enumerate(prompts):
         assert (ours.tokens[b], ours.stats.accept_lengths[b]) == _reference(pair, prompt, 24), f"sequence {b}"
 

@@ -189,9 +189,11 @@ def test_defaults_and_refusals():
         target_config_from_hf({k: v for k, v in raw.items() if k != "num_local_experts"})
 
 
-def test_dflash_through_every_kernel(tmp_path):
-    """The sink-aware verify attention and the biased, clamped expert kernels (interpreted) in the
-    whole loop: the same greedy tokens as the reference path (head_dim and widths the kernels take)."""
+@pytest.mark.parametrize("impl", ["interpret", "interpret-tpu"])
+def test_dflash_through_every_kernel(tmp_path, impl):
+    """The sink-aware verify attention and the biased, clamped expert kernels (interpreted: GPU's,
+    or TPU's in TPU interpret mode) in the whole loop: the same greedy tokens as the reference path
+    (head_dim and widths the kernels take)."""
     hf = make_gpt_oss(seed=4, head_dim=16, intermediate_size=32)
     hf.save_pretrained(tmp_path / "target")
     target = load_target(tmp_path / "target", "float32")
@@ -199,7 +201,7 @@ def test_dflash_through_every_kernel(tmp_path):
                                                   std=0.3), tmp_path / "draft"), target, "float32")
     prompts = [np.random.default_rng(5).integers(0, 63, 10).tolist()]
     reference = generate(target, prompts, draft=draft, max_new_tokens=8, impl="reference")
-    kernels = generate(target, prompts, draft=draft, max_new_tokens=8, impl="interpret")
+    kernels = generate(target, prompts, draft=draft, max_new_tokens=8, impl=impl)
     assert kernels.tokens == reference.tokens
 
 

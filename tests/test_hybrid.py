@@ -91,11 +91,13 @@ def test_dflash_on_a_hybrid_is_lossless_with_partial_accepts_of_every_length(hyb
     assert set(range(1, min(block, 6) + 1)) <= lengths, f"partial accepts missing: {sorted(lengths)}"
 
 
-def test_acceptance_equals_a_cache_free_dflash(hybrid_pair):
-    """Tokens and acceptance lengths per step equal those of DFlash recomputed from scratch."""
+@pytest.mark.parametrize("impl", ["reference", "interpret-tpu"])
+def test_acceptance_equals_a_cache_free_dflash(hybrid_pair, impl):
+    """Tokens and acceptance lengths per step equal those of DFlash recomputed from scratch (also
+    through the TPU kernels in TPU interpret mode: attention and the gated delta rule)."""
     hf_target, hf_draft, target, draft = hybrid_pair
     prompts = _prompts(1)[:2]
-    ours = generate(target, prompts, draft=draft, max_new_tokens=24, block_size=8, impl="reference")
+    ours = generate(target, prompts, draft=draft, max_new_tokens=24, block_size=8, impl=impl)
     for b, prompt in enumerate(prompts):
         tokens, accepted = cache_free_dflash(hf_target, hf_draft, prompt, 24, 8)
         assert ours.tokens[b] == tokens, f"sequence {b}"

@@ -60,20 +60,6 @@ def test_kernels_match_reference_end_to_end(target_config):
     assert spec_kernels.stats.accept_lengths == spec_ref.stats.accept_lengths
 
 
-def test_tpu_kernels_match_reference_end_to_end():
-    """The TPU kernels in TPU interpret mode: a target whose sliding layers every sequence
-    outgrows, a draft with a causal sliding layer and a full one, ragged prompts (the padded
-    prefill queries reach past the page tables)."""
-    target, draft = _models(SLIDING_TARGET, DRAFT, 0)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 90, n).tolist() for n in (5, 19, 33)]
-    kwargs = dict(max_new_tokens=[20, 13, 24], stop_token_ids=None, page_size=16)
-    spec_ref = generate(target, prompts, draft=draft, impl="reference", **kwargs)  # equals plain decoding: above
-    spec_tpu = generate(target, prompts, draft=draft, impl="interpret-tpu", **kwargs)
-    assert spec_tpu.tokens == spec_ref.tokens
-    assert spec_tpu.stats.accept_lengths == spec_ref.stats.accept_lengths
-
-
 def test_kernel_shape_limits_raise_before_compiling(models):
     target, _ = models
     odd = Target(uniform_config(num_layers=3, **{**SHAPE, "head_dim": 48}), target.params)

@@ -46,20 +46,28 @@ def check_kernel_shapes(impl: AttentionImpl, configs: Sequence[ModelConfig], pag
                 except ValueError as error:
                     problems.append(f"page_size {page_size} ({error})")
                     break
-    if any(resolve_impl(impl, op) != "reference" for op in ("write_kv", "qkv_norm_rope_write", "qkv_norm_rope")):
+    if any(resolve_impl(impl, op).startswith("gpu") for op in ("write_kv", "qkv_norm_rope_write", "qkv_norm_rope")):
         for spec in specs:
             width = spec.rope.rotary_dim // 2
             if not (power_of_two(width) and (spec.head_dim // 2) % width == 0):
                 problems.append(f"rotary dimension {spec.rope.rotary_dim} of head_dim {spec.head_dim} (the norm+RoPE "
                                 "kernels need half of it to be a power of two dividing head_dim / 2)")
-    if resolve_impl(impl, "gated_delta_rule") != "reference":
+    gated_delta = resolve_impl(impl, "gated_delta_rule")
+    if gated_delta == "tpu":
+        for config in configs:
+            for i in config.recurrent_layers:
+                spec = config.layers[i].mixer
+                problems += [f"linear attention {name} {size} (the TPU gated delta rule kernels need a multiple of 128)"
+                             for name, size in (("key_dim", spec.key_dim), ("value_dim", spec.value_dim))
+                             if size % 128]
+    elif gated_delta.startswith("gpu"):
         for config in configs:
             for i in config.recurrent_layers:
                 spec = config.layers[i].mixer
                 problems += [f"linear attention {name} {size} (the gated delta rule kernels need a power of two >= 16)"
                              for name, size in (("key_dim", spec.key_dim), ("value_dim", spec.value_dim))
                              if not (power_of_two(size) and size >= 16)]
-    if resolve_impl(impl, "routed_experts") != "reference":
+    if resolve_impl(impl, "routed_experts").startswith("gpu"):
         for config in configs:
             widths = {layer.ffn.intermediate_size for layer in config.layers if isinstance(layer.ffn, MoESpec)}
             if widths and config.hidden_size % 16:

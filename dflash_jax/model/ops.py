@@ -51,14 +51,18 @@ AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": T
                 "routed_experts": True, "gated_delta_rule": True}
 
 # The operations with a Mosaic TPU kernel (pallas_kernels.tpu); "auto" and "pallas" run them on a TPU.
-TPU_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": False,
-               "qkv_norm_rope_write": False, "qkv_norm_rope": False, "fused_matmul": False,
-               "routed_experts": False, "gated_delta_rule": False}
+TPU_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
+               "qkv_norm_rope_write": True, "qkv_norm_rope": True, "fused_matmul": False,
+               "routed_experts": True, "gated_delta_rule": True}
 
 
 def on_tpu() -> bool:
-    """Whether jax's default backend is a TPU."""
-    return jax.default_backend() == "tpu"
+    """Whether the programs being traced are for a TPU: jax's default device is one (as when
+    ``dflash_jax.aot`` compiles for a TPU topology from another machine), or with none set, its
+    default backend is TPUs."""
+    device = jax.config.jax_default_device
+    platform = getattr(device, "platform", None) or (device if isinstance(device, str) else jax.default_backend())
+    return platform == "tpu"
 
 
 def resolve_impl(impl: AttentionImpl, op: str) -> str:
@@ -126,6 +130,8 @@ def qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, *, num_heads, num_kv_heads, eps
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
     if impl == "reference":
         return pk.qkv_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, **kw)
+    if impl.startswith("tpu"):
+        return pk_tpu.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, interpret=impl == "tpu-interpret")
     return pk.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, **_kernel_kwargs(impl))
 
 
@@ -135,6 +141,8 @@ def write_kv(k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *,
     args = (k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table)
     if impl == "reference":
         return pk.norm_rope_write_reference(*args, eps=eps)
+    if impl.startswith("tpu"):
+        return pk_tpu.norm_rope_write(*args, eps=eps, interpret=impl == "tpu-interpret")
     return pk.norm_rope_write(*args, eps=eps, **_kernel_kwargs(impl))
 
 
@@ -147,6 +155,8 @@ def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pag
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
     if impl == "reference":
         return pk.qkv_norm_rope_write_reference(*args, **kw)
+    if impl.startswith("tpu"):
+        return pk_tpu.qkv_norm_rope_write(*args, **kw, interpret=impl == "tpu-interpret")
     return pk.qkv_norm_rope_write(*args, **kw, **_kernel_kwargs(impl))
 
 
@@ -188,6 +198,9 @@ def routed_experts(x, experts, weights, gate_up, down, gate_up_bias=None, down_b
     kw = dict(swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if impl == "reference":
         return pk.routed_experts_reference(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw)
+    if impl.startswith("tpu"):
+        return pk_tpu.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
+                                     interpret=impl == "tpu-interpret")
     return pk.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
                              **_kernel_kwargs(impl))
 
@@ -206,4 +219,6 @@ def gated_delta_rule(q, k, v, g, beta, state, *, with_output=True, with_state=Tr
         if q.shape[1] <= RECURRENT_REFERENCE_TOKENS:
             return pk.gated_delta_rule_reference(q, k, v, g, beta, state, **kw)
         return pk.chunked_gated_delta_rule_reference(q, k, v, g, beta, state, **kw)
+    if impl.startswith("tpu"):
+        return pk_tpu.gated_delta_rule(q, k, v, g, beta, state, **kw, interpret=impl == "tpu-interpret")
     return pk.gated_delta_rule(q, k, v, g, beta, state, **kw, **_kernel_kwargs(impl))

@@ -4,6 +4,7 @@ the devices of a TPU topology without a TPU, and a function lowered and compiled
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
@@ -12,7 +13,9 @@ import jax
 def topology_devices(topology: str) -> tuple:
     """The devices of a TPU topology such as ``"v6e:2x2"`` or ``"v5p:2x2x1"``
     (``jax.experimental.topologies``; single-chip names are refused by libtpu: use one device
-    of a 2x2)."""
+    of a 2x2). Compiling touches no chip, so several processes may load libtpu at once (its
+    lockfile guards chips: ``ALLOW_MULTIPLE_LIBTPU_LOAD``)."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 

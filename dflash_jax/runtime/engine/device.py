@@ -20,7 +20,8 @@ import numpy as np
 
 from dflash_jax.loading.models import Draft, Target
 from dflash_jax.model.cache import cache_bytes_per_device, check_cache_fits, device_free_bytes, zeroed_cache
-from dflash_jax.model.sharding import replicated
+from dflash_jax.model.config import ModelConfig
+from dflash_jax.model.sharding import TensorParallel, replicated
 from dflash_jax.runtime.decode import (ChunkOutput, DecodeState, LoopConfig, PrefillOutput, TokenLogprobs, admit_slots,
                                        bucket, engine_chunk, prefill_slots, release_slots, set_page_rows)
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request
@@ -85,6 +86,26 @@ class DispatchedChunk:
     seen_steps: np.ndarray
 
 
+def empty_state(target: ModelConfig, draft_model: ModelConfig | None, dtype, key: jax.Array, *, slots: int,
+                num_pages: int, page_size: int, pages_per_seq: int, max_model_len: int, chunk_steps: int,
+                block_size: int, stop_width: int, tensor_parallel: TensorParallel | None) -> DecodeState:
+    """The decode state of ``slots`` free slots (sentinel page rows, done, greedy defaults) over
+    a zeroed pool of ``num_pages`` pages (split over the mesh of ``tensor_parallel``); under
+    ``jax.eval_shape``, its shapes (``dflash_jax.aot`` compiles for them)."""
+    width = chunk_steps * block_size
+    table = np.full((slots, pages_per_seq), num_pages, np.int32)
+    cache = zeroed_cache(jnp.asarray(table), target, draft_model, num_pages, page_size, dtype, tensor_parallel)
+    sampling = SamplingRows.stack([SamplingConfig()] * slots)
+    rest = dict(tokens=jnp.zeros((slots, max_model_len + 2 * width + 1), jnp.int32),
+                num_generated=jnp.zeros((slots,), jnp.int32), last_token=jnp.zeros((slots,), jnp.int32),
+                done=jnp.ones((slots,), bool), max_new_tokens=jnp.ones((slots,), jnp.int32),
+                stop_tokens=jnp.full((slots, stop_width), -1, jnp.int32),
+                sampling=sampling, steps=jnp.zeros((slots,), jnp.int32),
+                accept_lengths=jnp.zeros((slots, max_model_len + 2 * chunk_steps), jnp.int32),
+                key=jax.random.split(key, slots), iteration=jnp.zeros((), jnp.int32))
+    return DecodeState(cache=cache, **replicated(rest, tensor_parallel))
+
+
 class Device:
     """The decode state of ``slots`` slots over a pool of ``num_pages`` pages, and the calls of
     the jitted programs on it (``decode``: admit_slots, set_page_rows, release_slots,
@@ -116,22 +137,14 @@ class Device:
 
     def empty_state(self) -> DecodeState:
         """Every slot free: sentinel page rows, done, greedy defaults."""
-        b, tp = self.slots, self.target.tensor_parallel
-        width = self.chunk_steps * self.config.block_size
-        table = np.full((b, self.pages_per_seq), self.num_pages, np.int32)
-        draft_model = None if self.draft is None else self.draft.config.model
-        cache = zeroed_cache(jnp.asarray(table), self.target.config, draft_model, self.num_pages, self.page_size,
-                             self.target.params.embed.dtype, tp)
-        check_cache_fits(jax.eval_shape(lambda: cache), tp)
-        sampling = SamplingRows.stack([SamplingConfig()] * b)
-        rest = dict(tokens=jnp.zeros((b, self.max_model_len + 2 * width + 1), jnp.int32),
-                    num_generated=jnp.zeros((b,), jnp.int32), last_token=jnp.zeros((b,), jnp.int32),
-                    done=jnp.ones((b,), bool), max_new_tokens=jnp.ones((b,), jnp.int32),
-                    stop_tokens=jnp.full((b, self.stop_width), -1, jnp.int32),
-                    sampling=sampling, steps=jnp.zeros((b,), jnp.int32),
-                    accept_lengths=jnp.zeros((b, self.max_model_len + 2 * self.chunk_steps), jnp.int32),
-                    key=jax.random.split(self._key, b), iteration=jnp.zeros((), jnp.int32))
-        return DecodeState(cache=cache, **replicated(rest, tp))
+        tp = self.target.tensor_parallel
+        state = empty_state(self.target.config, None if self.draft is None else self.draft.config.model,
+                            self.target.params.embed.dtype, self._key, slots=self.slots, num_pages=self.num_pages,
+                            page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+                            max_model_len=self.max_model_len, chunk_steps=self.chunk_steps,
+                            block_size=self.config.block_size, stop_width=self.stop_width, tensor_parallel=tp)
+        check_cache_fits(jax.eval_shape(lambda: state.cache), tp)
+        return state
 
     def reset(self) -> None:
         """A new empty state (after a failed call, which may have consumed the donated one)."""
