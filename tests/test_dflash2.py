@@ -170,7 +170,7 @@ def test_dflash2_greedy_tokens_and_acceptance_equal_the_reference(qwen3_dflash2,
     monkeypatch.setattr(dm, "_cuda_time", lambda: 0.0)
     hf_target, hf_draft, target, draft, _ = qwen3_dflash2
     assert draft.config.selector == SelectorSpec(6, 5) and draft.config.model.layers[0].conv == ConvSpec(2, 8)
-    prompts = _prompts(target.config.vocab_size)
+    prompts = _prompts(target.config.vocab_size)[:None if impl == "reference" else 2]  # interpreted: slow
     plain = generate(target, prompts, max_new_tokens=MAX_NEW, impl="reference")
     ours = generate(target, prompts, draft=draft, max_new_tokens=MAX_NEW, block_size=block, impl=impl)
     assert ours.tokens == plain.tokens
