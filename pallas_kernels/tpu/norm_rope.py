@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.norm_rope import (_check_pages, _check_positions, _check_qkv, check_norm_rope_write_args)
+from pallas_kernels.tpu.dma import guarded
 from pallas_kernels.tpu.paged_attention import vmem_capacity
 
 # Elements of the input rows (tokens x heads x head_dim) one program takes at most by default.
@@ -120,21 +121,11 @@ def _write_rows(pos_ref, pt_ref, first: int | jax.Array, count: jax.Array, q_len
                         for i, (src, dst) in enumerate(zip(rows, pages))]
 
     def start(t, carry):
-        wanted, row_copies = copies(t)
-
-        @pl.when(wanted)
-        def _():
-            for copy in row_copies:
-                copy.start()
+        guarded(*copies(t), "start")
         return carry
 
     def wait(t, carry):
-        wanted, row_copies = copies(t)
-
-        @pl.when(wanted)
-        def _():
-            for copy in row_copies:
-                copy.wait()
+        guarded(*copies(t), "wait")
         return carry
 
     lax.fori_loop(0, count, start, 0)

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu.dma import guarded
 from pallas_kernels.verify_attention import check_paged_args, check_sliding_window
 
 # Target rows (query tokens x query heads) per program and keys (tokens x KV heads) per step.
@@ -112,17 +113,11 @@ def _paged_kernel(start_ref, kv_len_ref, block_len_ref, pt_ref,  # scalar prefet
 
     def start_step(step, slot):
         for wanted, copies in page_copies(step, slot):
-            @pl.when(wanted)
-            def _():
-                for copy in copies:
-                    copy.start()
+            guarded(wanted, copies, "start")
 
     def wait_step(step, slot):
         for wanted, copies in page_copies(step, slot):
-            @pl.when(wanted)
-            def _():
-                for copy in copies:
-                    copy.wait()
+            guarded(wanted, copies, "wait")
 
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     row_t = first_t + row // q_heads
