@@ -26,6 +26,7 @@ from common import (SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_sec
                     output_dir, positive_int, positive_ints, require_gpu, run_record, write_json)
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import gpu as pk_gpu  # noqa: E402
 
 # use -> (tokens, with_output, with_state)
 USES = {"verify": (16, True, False), "commit": (16, False, True), "decode": (1, True, True),
@@ -44,7 +45,7 @@ def floor_bytes(spec, batch: int, tokens: int, with_output: bool, with_state: bo
 def time_use(method: str, spec, batch: int, use: str, layers: int, iterations: int, repeats: int) -> float:
     tokens, with_output, with_state = USES[use]
     if method == "pallas":
-        fn = functools.partial(pk.gated_delta_rule, interpret=jax.default_backend() != "gpu")
+        fn = functools.partial(pk_gpu.gated_delta_rule, interpret=jax.default_backend() != "gpu")
     else:
         fn = pk.gated_delta_rule_reference if tokens <= 16 else pk.chunked_gated_delta_rule_reference
     keys = jax.random.split(jax.random.key(0), 6)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from pallas_kernels import gpu as pk_gpu
 from dflash_jax.model.nn import rope
 from dflash_jax.model.nn.rope import RopeSpec
 
@@ -124,11 +125,11 @@ def make_case(kind: str, cache: Cache, ctx: int):
     lens = jnp.full((batch,), ctx, jnp.int32)
     nbytes = kv_bytes(batch, ctx) + q_bytes(batch, q_len)
     if kind in ("verify", "decode"):
-        return pk.paged_verify_attention, q, (cache.k, cache.v, cache.table, lens - q_len), nbytes
+        return pk_gpu.paged_verify_attention, q, (cache.k, cache.v, cache.table, lens - q_len), nbytes
     if kind == "draft":
         blk = jax.random.normal(key, (2, batch, BLOCK, KV_HEADS, HEAD_DIM), DTYPE)
         rest = (cache.k, cache.v, cache.table, lens, blk[0], blk[1])
-        return pk.paged_draft_attention, q, rest, nbytes + kv_bytes(batch, BLOCK)
+        return pk_gpu.paged_draft_attention, q, rest, nbytes + kv_bytes(batch, BLOCK)
     if kind == "jax_paged":
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
         k_t, v_t = cache.jax_layout()
@@ -231,7 +232,7 @@ def run_rows(cache: Cache, log) -> list[dict]:
     positions = jnp.broadcast_to(jnp.arange(BLOCK, dtype=jnp.int32) + 1000, (batch, BLOCK))
     cos, sin = rope.tables(positions, RopeSpec(theta=1e6, rotary_dim=HEAD_DIM), DTYPE)  # as the model's layers
     rows = []
-    for impl, write in (("pallas", pk.norm_rope_write), ("xla", pk.norm_rope_write_reference)):
+    for impl, write in (("pallas", pk_gpu.norm_rope_write), ("xla", pk.norm_rope_write_reference)):
         reps = 16
         run = _write_chain(write)
         pages = (cache.k, cache.v)

@@ -4,7 +4,7 @@ Times the projections of all 36 layers with their real glue (RMSNorm, residual a
 attention left out) at M = 1 / 8 / 16 rows, as ms per pass against the weights' byte floor at
 the copy bandwidth measured in the same run, three ways: q/k/v and gate/up as separate weights
 (HF's layout) through XLA; fused column-wise (``LayerParams.qkv_proj`` / ``gate_up_proj``)
-through XLA; and fused, through ``pallas_kernels.fused_matmul`` (norm, gate and residual inside
+through XLA; and fused, through ``pallas_kernels.gpu.fused_matmul`` (norm, gate and residual inside
 the projection).
 ``--passes kernel:o+down`` runs only the named projections through the kernel. (Timing single
 projections in isolation misleads: XLA merges products that share a weight.) ``--shape tiny``
@@ -30,7 +30,8 @@ from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_pe
 
 from dflash_jax.model.config import ModelConfig  # noqa: E402
 from dflash_jax.model.nn.mlp import MLPSpec  # noqa: E402
-from pallas_kernels.fused_matmul import TUNING_ARGS, fused_matmul, fused_matmul_reference, matmul_blocks  # noqa: E402
+from pallas_kernels.fused_matmul import fused_matmul_reference  # noqa: E402
+from pallas_kernels.gpu.fused_matmul import TUNING_ARGS, fused_matmul, matmul_blocks  # noqa: E402
 from pallas_kernels.norm_rope import rms_norm  # noqa: E402
 
 DTYPE = jnp.bfloat16

@@ -1,7 +1,7 @@
 """A MoE layer's routed experts at Qwen3-30B-A3B's shape (128 experts, top 8, hidden 2048, width
 768, bf16) or gpt-oss-20b's (32 experts, top 4, hidden and width 2880; bf16, or MXFP4 as released,
 where the kernel decodes the codes as it reads them): XLA's grouped matmul (``jax.lax.ragged_dot``, the reference), the Pallas kernel that
-reads only the routed experts (``pallas_kernels.routed_experts``), a gather of the routed
+reads only the routed experts (``pallas_kernels.gpu.routed_experts``), a gather of the routed
 experts' weights then one batched product, and a dense loop over every expert, each against the
 bytes the tokens' routing must read (its distinct experts' weights) at the measured copy
 bandwidth, in one run (MXFP4: the reference and the kernel; the others index dense weights).
@@ -35,7 +35,8 @@ from profile_step import kernel_events, summarize  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from dflash_jax.model.nn.moe import MoESpec, init_moe  # noqa: E402
-from pallas_kernels.routed_experts import TUNING_ARGS  # noqa: E402
+from pallas_kernels import gpu as pk_gpu  # noqa: E402
+from pallas_kernels.gpu.routed_experts import TUNING_ARGS  # noqa: E402
 
 METHODS = ("ragged_dot", "pallas", "gather", "dense_loop")
 
@@ -67,7 +68,7 @@ def methods(tunings: list[dict]) -> dict:
     table = {"ragged_dot": pk.routed_experts_reference, "gather": gather_experts, "dense_loop": dense_loop}
     for tuning in tunings:
         name = "pallas" + ("" if not tuning else " " + json.dumps(tuning, sort_keys=True))
-        table[name] = functools.partial(pk.routed_experts, interpret=jax.default_backend() != "gpu", **tuning)
+        table[name] = functools.partial(pk_gpu.routed_experts, interpret=jax.default_backend() != "gpu", **tuning)
     return table
 
 

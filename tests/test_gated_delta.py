@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta import (chunked_gated_delta_rule_reference, gated_delta_rule,
-                                        gated_delta_rule_reference)
+from pallas_kernels.gated_delta import chunked_gated_delta_rule_reference, gated_delta_rule_reference
+from pallas_kernels.gpu.gated_delta import gated_delta_rule
 
 F32_TOL = 1e-5
 LOW_TOL = 1e-2  # bf16 q/k/v: relative L2 error of the output

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import tuning as pk_tuning
-from pallas_kernels.fused_matmul import matmul_blocks
-from pallas_kernels.verify_attention import masked_gqa_attention
+from pallas_kernels import gpu as pk_gpu
+from pallas_kernels.attention import masked_gqa_attention
+from pallas_kernels.gpu import tuning as pk_tuning
+from pallas_kernels.gpu.fused_matmul import matmul_blocks
 
 F32_TOL = 1e-5
 LOW_TOL = 1e-2  # bf16 / f16: relative L2 error
@@ -136,8 +137,8 @@ def test_verify_attention(case, with_sinks, interpret, check):
     q = jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads * group, head_dim)), dtype)
     sinks = jnp.asarray(rng.normal(0.0, 2.0, kv_heads * group), dtype) if with_sinks else None
     start = jnp.asarray(lens, jnp.int32) - q_len
-    out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window, sinks=sinks,
-                                    interpret=interpret, **tuning)
+    out = pk_gpu.paged_verify_attention(q, k, v, table, start, sliding_window=window, sinks=sinks,
+                                        interpret=interpret, **tuning)
     ref = _reference(pk.paged_verify_attention_reference, q, k, v, table, start,
                      sliding_window=window, sinks=sinks)
     check(out, ref, dtype)
@@ -216,9 +217,9 @@ def test_draft_attention(case, with_sinks, interpret, check):
     block_k, block_v = jnp.asarray(block_k, dtype), jnp.asarray(block_v, dtype)
     ctx, blens = jnp.asarray(ctx, jnp.int32), jnp.asarray(blens, jnp.int32)
     sinks = jnp.asarray(rng.normal(0.0, 2.0, kv_heads * group), dtype) if with_sinks else None
-    out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, blens,
-                                   sliding_window=window, causal=causal, sinks=sinks, interpret=interpret,
-                                   **tuning)
+    out = pk_gpu.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, blens,
+                                       sliding_window=window, causal=causal, sinks=sinks, interpret=interpret,
+                                       **tuning)
     ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v,
                      blens, sliding_window=window, causal=causal, sinks=sinks)
     check(out, ref, dtype)
@@ -248,16 +249,16 @@ def test_attention_unmasked_steps(case, interpret, check):
     q = jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads * group, head_dim)), jnp.float32)
     if kind == "verify":
         start = jnp.asarray(lens, jnp.int32) - q_len
-        out = pk.paged_verify_attention(q, k, v, table, start, sliding_window=window,
-                                        interpret=interpret, **tuning)
+        out = pk_gpu.paged_verify_attention(q, k, v, table, start, sliding_window=window,
+                                            interpret=interpret, **tuning)
         ref = _reference(pk.paged_verify_attention_reference, q, k, v, table, start,
                          sliding_window=window)
     else:
         ctx = jnp.asarray(lens, jnp.int32)
         block_k, block_v = (jnp.asarray(rng.standard_normal((len(lens), q_len, kv_heads, head_dim)),
                                         jnp.float32) for _ in range(2))
-        out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, sliding_window=window,
-                                       causal=False, interpret=interpret, **tuning)
+        out = pk_gpu.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, sliding_window=window,
+                                           causal=False, interpret=interpret, **tuning)
         ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v,
                          sliding_window=window, causal=False)
     check(out, ref, jnp.float32)
@@ -271,7 +272,7 @@ def test_draft_attention_default_block_lens(interpret, check):
     block_k, block_v = (jnp.asarray(rng.standard_normal((2, 16, 2, 64)), jnp.float32)
                         for _ in range(2))
     ctx = jnp.asarray([5, 40], jnp.int32)
-    out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret)
+    out = pk_gpu.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret)
     ref = _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v)
     check(out, ref, jnp.float32)
 
@@ -288,12 +289,12 @@ def test_attention_at_the_page_tables_capacity(interpret, check):
     q = jnp.asarray(rng.standard_normal((2, q_len, kv_heads * group, head_dim)), jnp.float32)
     start = jnp.asarray([3 * page_size - 4, 3 * page_size - 9], jnp.int32)  # 12 and 7 queries past the end
     for tuning in ({}, {"pages_per_block": 1, "num_splits": 2}):
-        out = pk.paged_verify_attention(q, k, v, table, start, interpret=interpret, **tuning)
+        out = pk_gpu.paged_verify_attention(q, k, v, table, start, interpret=interpret, **tuning)
         check(out, _reference(pk.paged_verify_attention_reference, q, k, v, table, start), jnp.float32)
         block_k, block_v = (jnp.asarray(rng.standard_normal((2, q_len, kv_heads, head_dim)), jnp.float32)
                             for _ in range(2))
         ctx = jnp.asarray([3 * page_size, 3 * page_size + 7], jnp.int32)
-        out = pk.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret, **tuning)
+        out = pk_gpu.paged_draft_attention(q, k, v, table, ctx, block_k, block_v, interpret=interpret, **tuning)
         check(out, _reference(pk.paged_draft_attention_reference, q, k, v, table, ctx, block_k, block_v),
               jnp.float32)
 
@@ -316,7 +317,7 @@ def test_f16_values_at_the_top_of_the_range_stay_finite(interpret, num_splits):
     q[..., 0] = 1
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([[0, 1]], jnp.int32),
             jnp.asarray([2 * page_size - 1], jnp.int32))  # the query sees all 32 keys
-    out = pk.paged_verify_attention(*args, interpret=interpret, num_splits=num_splits, pages_per_block=1)
+    out = pk_gpu.paged_verify_attention(*args, interpret=interpret, num_splits=num_splits, pages_per_block=1)
     np.testing.assert_array_equal(np.asarray(out, np.float32), 65504)
 
 
@@ -372,7 +373,7 @@ def test_norm_rope_write(case, interpret, check):
     args = (k, v, weight, cos, sin, jnp.asarray(positions, jnp.int32), *pages,
             jnp.asarray(table, jnp.int32))
     kw = dict(eps=1e-6)
-    k_out, v_out = pk.norm_rope_write(*args, interpret=interpret, **kw)
+    k_out, v_out = pk_gpu.norm_rope_write(*args, interpret=interpret, **kw)
     k_ref, v_ref = _reference(pk.norm_rope_write_reference, *args, **kw)
     # the written slots against the reference's (on their own: they are ~5% of the pages), and
     # every other slot untouched
@@ -425,7 +426,7 @@ def test_qkv_norm_rope_write(case, interpret, check):
     positions[0, -1] = pages_per_seq * page_size  # past the page table: dropped
     cos, sin, _ = _rope_tables(rope, positions, head_dim, dtype)
     args = (qkv, q_w, k_w, cos, sin, jnp.asarray(positions, jnp.int32), k_pages, v_pages, jnp.asarray(table))
-    outs = pk.qkv_norm_rope_write(*args, interpret=interpret, **kw)
+    outs = pk_gpu.qkv_norm_rope_write(*args, interpret=interpret, **kw)
     refs = _reference(pk.qkv_norm_rope_write_reference, *args, **kw)
     check(outs[0], refs[0], dtype)
     for out, ref in zip(outs[1:], refs[1:]):  # pages: NaN exactly where the reference has NaN
@@ -452,7 +453,7 @@ def test_qkv_norm_rope(case, interpret, check):
     qkv, q_w, k_w, kw = _qkv_projection(rng, batch, q_len, group, head_dim, dtype, ROPES[rope][2])
     positions = rng.integers(0, 40_000, (batch, q_len))
     cos, sin, _ = _rope_tables(rope, positions, head_dim, dtype)
-    outs = pk.qkv_norm_rope(qkv, q_w, k_w, cos, sin, interpret=interpret, block_rows=block_rows, **kw)
+    outs = pk_gpu.qkv_norm_rope(qkv, q_w, k_w, cos, sin, interpret=interpret, block_rows=block_rows, **kw)
     refs = _reference(pk.qkv_norm_rope_reference, qkv, q_w, k_w, cos, sin, **kw)
     for out, ref in zip(outs[:2], refs[:2], strict=True):
         check(out, ref, dtype)
@@ -500,7 +501,7 @@ def test_routed_experts(case, tuning, interpret, check):
     16-dim steps, summed after the kernels (ragged: 4 steps as 1 + 1 + 2, 2 steps as 2 shares)."""
     dtype, block_m = DTYPES[case[0]], case[6]
     x, experts, weights, gate_up, down = _expert_inputs(_rng("experts", case), case)
-    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m, **tuning)
+    out = pk_gpu.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m, **tuning)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
 
 
@@ -517,7 +518,7 @@ def test_routed_experts_with_biases_and_clamped_swiglu(case, interpret, check):
     down_bias = jnp.asarray(rng.normal(0, 1, (num_experts, hidden)), dtype)
     kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
     args = (x, experts, weights, gate_up, down, gate_up_bias, down_bias)
-    out = pk.routed_experts(*args, interpret=interpret, block_m=block_m, **kw)
+    out = pk_gpu.routed_experts(*args, interpret=interpret, block_m=block_m, **kw)
     ref = _reference(pk.routed_experts_reference, *args, **kw)
     check(out, ref, dtype)
     if dtype == jnp.float32:
@@ -554,10 +555,10 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
     reference = pk.routed_experts_reference(x, experts, weights, gate_up, down)
     # (bit-equal on a CPU; a GPU's grouped matmul sums groups of other sizes in another order)
     check(reference, zero_weighted, dtype)
-    out = pk.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
+    out = pk_gpu.routed_experts(x, experts, weights, gate_up, down, interpret=interpret, block_m=block_m)
     check(out, _reference(pk.routed_experts_reference, x, experts, weights, gate_up, down), dtype)
-    none = pk.routed_experts(x, jnp.full_like(experts, -1), weights, gate_up, down, interpret=interpret,
-                             block_m=block_m)
+    none = pk_gpu.routed_experts(x, jnp.full_like(experts, -1), weights, gate_up, down, interpret=interpret,
+                                 block_m=block_m)
     np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
 
 
@@ -632,11 +633,11 @@ def test_routed_experts_mxfp4(case, interpret, check):
         args += (jnp.asarray(rng.normal(0, 2, (num_experts, 2 * width)), dtype),
                  jnp.asarray(rng.normal(0, 1, (num_experts, hidden)), dtype))
         kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
-    out = pk.routed_experts(*args, interpret=interpret, block_m=block_m, **tuning, **kw)
+    out = pk_gpu.routed_experts(*args, interpret=interpret, block_m=block_m, **tuning, **kw)
     check(out, _reference(pk.routed_experts_reference, *args, **kw), dtype)
     if variant == "skip":
-        none = pk.routed_experts(x, jnp.full_like(experts, -1), *args[2:], interpret=interpret, block_m=block_m,
-                                 **tuning)
+        none = pk_gpu.routed_experts(x, jnp.full_like(experts, -1), *args[2:], interpret=interpret, block_m=block_m,
+                                     **tuning)
         np.testing.assert_array_equal(np.asarray(none, np.float32), 0)
 
 
@@ -644,7 +645,7 @@ def test_reduction_splits_fill_the_sms_for_mxfp4_decode_only():
     """gpt-oss-20b's gate|up at one token (4 experts x 45 column blocks, 45 steps): 5 shares, 900
     programs for 132 SMs; 8 tokens (~21 experts): 1; dense weights: always 1; never more shares
     than steps."""
-    from pallas_kernels.routed_experts import reduction_splits
+    from pallas_kernels.gpu.routed_experts import reduction_splits
     assert reduction_splits(4, 32, 45, 45, 132, mxfp4=True) == 5
     assert reduction_splits(32, 32, 45, 45, 132, mxfp4=True) == 1
     assert reduction_splits(4, 32, 45, 45, 132, mxfp4=False) == 1
@@ -673,8 +674,7 @@ def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeyp
     """Every pair in exactly one row, each expert's pairs in token order in tiles of that expert
     alone, padding -1, tiles past the last expert's marked -1 (they stream nothing): the same
     layout whether the ranks are counted (short inputs) or sorted (long prefills)."""
-    import importlib
-    routed_experts = importlib.import_module("pallas_kernels.routed_experts")  # the module, not the kernel
+    from pallas_kernels import routed_experts  # where expert_tiles reads COUNTING_LIMIT
     monkeypatch.setattr(routed_experts, "COUNTING_LIMIT", 1 << 30 if counting else 0)
     rng = _rng("tiles")
     experts = jnp.asarray(_routing(rng, 37, 4, 10, "skewed"), jnp.int32)
@@ -697,8 +697,7 @@ def test_expert_tiles_hold_each_pair_once_in_its_experts_tiles(counting, monkeyp
 def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypatch):
     """Pairs of expert -1 are in no row; the others are laid out as without them (each expert's
     pairs in token order, in tiles of that expert alone), counted or sorted alike."""
-    import importlib
-    routed_experts = importlib.import_module("pallas_kernels.routed_experts")
+    from pallas_kernels import routed_experts
     monkeypatch.setattr(routed_experts, "COUNTING_LIMIT", 1 << 30 if counting else 0)
     rng = _rng("tiles-skip")
     routed = _routing(rng, 37, 4, 10, "skewed")
@@ -737,7 +736,7 @@ def test_fused_matmul(case, interpret, check):
     w = jnp.asarray(rng.standard_normal((k, 2 * n if gated else n)) / np.sqrt(k), dtype)
     kw = dict(norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, k), dtype) if norm else None, gated=gated,
               residual=jnp.asarray(rng.standard_normal((*lead, n)), dtype) if residual else None)
-    out = pk.fused_matmul(x, w, interpret=interpret, **kw, **tuning)
+    out = pk_gpu.fused_matmul(x, w, interpret=interpret, **kw, **tuning)
     ref = _reference(lambda x, w, norm_weight, residual: pk.fused_matmul_reference(
         x, w, norm_weight=norm_weight, residual=residual, gated=gated), x, w, kw["norm_weight"],
         kw["residual"])
@@ -773,7 +772,7 @@ def test_combine_splits(case, interpret, check):
     lse.reshape(splits, -1)[:, 0] = -np.inf
     o = rng.standard_normal((splits, *lead, head_dim)) * np.isfinite(lse)[..., None]
     o, lse = jnp.asarray(o, dtype), jnp.asarray(lse)
-    out = pk.combine_splits(o, lse, interpret=interpret, **tuning)
+    out = pk_gpu.combine_splits(o, lse, interpret=interpret, **tuning)
     ref = _reference(pk.combine_splits_reference, o, lse)
     assert out.dtype == dtype and not np.asarray(out).reshape(-1, head_dim)[0].any()
     check(out, ref, dtype)
@@ -786,7 +785,7 @@ def test_combine_splits_at_extreme_log_sum_exps(interpret, check):
     o = jnp.broadcast_to(jnp.asarray([1.0, 3.0])[:, None, None], (2, 4, 16))
     for top in (200.0, -300.0):
         lse = jnp.broadcast_to(jnp.asarray([top, top - 1.0])[:, None], (2, 4))
-        out = pk.combine_splits(o, lse, interpret=interpret)
+        out = pk_gpu.combine_splits(o, lse, interpret=interpret)
         check(out, jnp.full((4, 16), 5 / 3), jnp.float32)
 
 
@@ -825,74 +824,75 @@ def _mxfp4_shapes(num_experts: int, k: int, n: int, dtype=jnp.uint8) -> pk.Mxfp4
 
 def _without_norms(kernel, **static):
     """``kernel`` with its norm weight(s) None (LLaMA's q and k are not normed)."""
-    if kernel is pk.norm_rope_write:
+    if kernel is pk_gpu.norm_rope_write:
         return lambda k, v, *rest: kernel(k, v, None, *rest, **static)
     return lambda qkv, *rest: kernel(qkv, None, None, *rest, **static)
 
 
 LOWERINGS = {
-    "decode": (pk.paged_verify_attention, _attention_shapes(q_len=1), {}),
-    "verify_window": (pk.paged_verify_attention, _attention_shapes(), {"sliding_window": 64}),
-    "verify_one_split": (pk.paged_verify_attention, _attention_shapes(batch=32), {}),
-    "prefill": (pk.paged_verify_attention, _attention_shapes(batch=1, q_len=1000), {}),
-    "verify_f32": (pk.paged_verify_attention, _attention_shapes(dtype=jnp.float32), {}),
-    "verify_group_5": (pk.paged_verify_attention, _attention_shapes(q_heads=40), {}),
-    "verify_sinks_window": (lambda q, k, v, t, s, sinks: pk.paged_verify_attention(q, k, v, t, s, sliding_window=128,
-                                                                                   sinks=sinks),
+    "decode": (pk_gpu.paged_verify_attention, _attention_shapes(q_len=1), {}),
+    "verify_window": (pk_gpu.paged_verify_attention, _attention_shapes(), {"sliding_window": 64}),
+    "verify_one_split": (pk_gpu.paged_verify_attention, _attention_shapes(batch=32), {}),
+    "prefill": (pk_gpu.paged_verify_attention, _attention_shapes(batch=1, q_len=1000), {}),
+    "verify_f32": (pk_gpu.paged_verify_attention, _attention_shapes(dtype=jnp.float32), {}),
+    "verify_group_5": (pk_gpu.paged_verify_attention, _attention_shapes(q_heads=40), {}),
+    "verify_sinks_window": (lambda q, k, v, t, s, sinks: pk_gpu.paged_verify_attention(q, k, v, t, s,
+                                                                                       sliding_window=128, sinks=sinks),
                             (*_attention_shapes(q_heads=64, head_dim=64), S((64,), BF)), {}),
-    "draft": (pk.paged_draft_attention, _draft_shapes(), {}),
-    "draft_causal_window": (pk.paged_draft_attention, _draft_shapes(batch=32),
+    "draft": (pk_gpu.paged_draft_attention, _draft_shapes(), {}),
+    "draft_causal_window": (pk_gpu.paged_draft_attention, _draft_shapes(batch=32),
                             {"causal": True, "sliding_window": 32}),
-    "draft_f32_two_sided_window": (pk.paged_draft_attention, _draft_shapes(dtype=jnp.float32),
+    "draft_f32_two_sided_window": (pk_gpu.paged_draft_attention, _draft_shapes(dtype=jnp.float32),
                                    {"sliding_window": 8}),
-    "draft_block_24": (pk.paged_draft_attention, _draft_shapes(block=24), {}),
-    "draft_sinks": (lambda q, k, v, t, c, bk, bv, bl, sinks: pk.paged_draft_attention(q, k, v, t, c, bk, bv, bl,
-                                                                                     sinks=sinks),
+    "draft_block_24": (pk_gpu.paged_draft_attention, _draft_shapes(block=24), {}),
+    "draft_sinks": (lambda q, k, v, t, c, bk, bv, bl, sinks: pk_gpu.paged_draft_attention(q, k, v, t, c, bk, bv, bl,
+                                                                                          sinks=sinks),
                     (*_draft_shapes(), S((32,), BF)), {}),
-    "verify_f16_head_dim_64_page_32": (pk.paged_verify_attention,
+    "verify_f16_head_dim_64_page_32": (pk_gpu.paged_verify_attention,
                                        _attention_shapes(head_dim=64, page_size=32, dtype=jnp.float16), {}),
-    "verify_tuned": (pk.paged_verify_attention, _attention_shapes(),
+    "verify_tuned": (pk_gpu.paged_verify_attention, _attention_shapes(),
                      {"pages_per_block": 1, "block_t": 16, "num_splits": 2, "pallas_merge": True}),
-    "norm_rope_write": (pk.norm_rope_write, (*_write_shapes()[:2], S((128,), BF), *_write_shapes()[2:]),
+    "norm_rope_write": (pk_gpu.norm_rope_write, (*_write_shapes()[:2], S((128,), BF), *_write_shapes()[2:]),
                         {"eps": 1e-6}),
-    "norm_rope_write_unnormed_partial": (_without_norms(pk.norm_rope_write, eps=1e-6),
+    "norm_rope_write_unnormed_partial": (_without_norms(pk_gpu.norm_rope_write, eps=1e-6),
                                          _write_shapes(kv_heads=4, head_dim=256, rotary_dim=64), {}),
-    "qkv_norm_rope_write": (pk.qkv_norm_rope_write,
+    "qkv_norm_rope_write": (pk_gpu.qkv_norm_rope_write,
                             (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF), *_write_shapes()[2:]),
                             {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6}),
-    "qkv_norm_rope_write_unnormed": (_without_norms(pk.qkv_norm_rope_write, num_heads=32, num_kv_heads=8, eps=1e-6),
+    "qkv_norm_rope_write_unnormed": (_without_norms(pk_gpu.qkv_norm_rope_write, num_heads=32, num_kv_heads=8, eps=1e-6),
                                      (S((2, 16, 48 * 128), BF), *_write_shapes()[2:]), {}),
-    "qkv_norm_rope": (pk.qkv_norm_rope, (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF),
-                                         S((2, 16, 64), BF), S((2, 16, 64), BF)),
+    "qkv_norm_rope": (pk_gpu.qkv_norm_rope, (S((2, 16, 48 * 128), BF), S((128,), BF), S((128,), BF),
+                                             S((2, 16, 64), BF), S((2, 16, 64), BF)),
                       {"num_heads": 32, "num_kv_heads": 8, "eps": 1e-6}),
-    "qkv_norm_rope_partial_head_dim_256": (pk.qkv_norm_rope, (S((2, 16, 32 * 256), BF), S((256,), BF), S((256,), BF),
-                                                              S((2, 16, 32), BF), S((2, 16, 32), BF)),
+    "qkv_norm_rope_partial_head_dim_256": (pk_gpu.qkv_norm_rope,
+                                           (S((2, 16, 32 * 256), BF), S((256,), BF), S((256,), BF),
+                                            S((2, 16, 32), BF), S((2, 16, 32), BF)),
                                            {"num_heads": 24, "num_kv_heads": 4, "eps": 1e-6}),
-    "routed_experts_decode": (pk.routed_experts, (S((1, 2048), BF), S((1, 8), jnp.int32), S((1, 8), BF),
-                                                  S((128, 2048, 1536), BF), S((128, 768, 2048), BF)), {}),
-    "routed_experts_verify_f32": (pk.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
-                                                      S((16, 4), jnp.float32), S((8, 256, 128), jnp.float32),
-                                                      S((8, 64, 256), jnp.float32)), {"block_m": 32}),
-    "routed_experts_gpt_oss": (functools.partial(pk.routed_experts, swiglu_limit=7.0),
+    "routed_experts_decode": (pk_gpu.routed_experts, (S((1, 2048), BF), S((1, 8), jnp.int32), S((1, 8), BF),
+                                                      S((128, 2048, 1536), BF), S((128, 768, 2048), BF)), {}),
+    "routed_experts_verify_f32": (pk_gpu.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
+                                                          S((16, 4), jnp.float32), S((8, 256, 128), jnp.float32),
+                                                          S((8, 64, 256), jnp.float32)), {"block_m": 32}),
+    "routed_experts_gpt_oss": (functools.partial(pk_gpu.routed_experts, swiglu_limit=7.0),
                                (S((4, 128), BF), S((4, 4), jnp.int32), S((4, 4), BF), S((32, 128, 256), BF),
                                 S((32, 128, 128), BF), S((32, 256), BF), S((32, 128), BF)), {}),
     # gpt-oss-20b's experts in MXFP4: decode, and verify with only gate|up quantised
-    "routed_experts_mxfp4_decode": (functools.partial(pk.routed_experts, swiglu_limit=7.0),
+    "routed_experts_mxfp4_decode": (functools.partial(pk_gpu.routed_experts, swiglu_limit=7.0),
                                     (S((1, 2880), BF), S((1, 4), jnp.int32), S((1, 4), BF),
                                      _mxfp4_shapes(32, 2880, 5760), _mxfp4_shapes(32, 2880, 2880),
                                      S((32, 5760), BF), S((32, 2880), BF)), {}),
-    "routed_experts_mxfp4_verify": (pk.routed_experts, (S((16, 2880), BF), S((16, 4), jnp.int32), S((16, 4), BF),
-                                                        _mxfp4_shapes(32, 2880, 5760), S((32, 2880, 2880), BF)),
+    "routed_experts_mxfp4_verify": (pk_gpu.routed_experts, (S((16, 2880), BF), S((16, 4), jnp.int32), S((16, 4), BF),
+                                                            _mxfp4_shapes(32, 2880, 5760), S((32, 2880, 2880), BF)),
                                     {"block_m": 32}),
-    "routed_experts_mxfp4_f32": (pk.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
-                                                     S((16, 4), jnp.float32), _mxfp4_shapes(8, 256, 128),
-                                                     _mxfp4_shapes(8, 64, 256)), {"block_k": 32}),
-    "combine_splits": (pk.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
-    "fused_matmul_qkv": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw),
+    "routed_experts_mxfp4_f32": (pk_gpu.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
+                                                         S((16, 4), jnp.float32), _mxfp4_shapes(8, 256, 128),
+                                                         _mxfp4_shapes(8, 64, 256)), {"block_k": 32}),
+    "combine_splits": (pk_gpu.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
+    "fused_matmul_qkv": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
-    "fused_matmul_gated_split": (lambda x, w, nw: pk.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
+    "fused_matmul_gated_split": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
                                  (S((2, 16, 4096), BF), S((4096, 2 * 1024), BF), S((4096,), BF)), {}),
-    "fused_matmul_residual": (lambda x, w, r: pk.fused_matmul(x, w, residual=r),
+    "fused_matmul_residual": (lambda x, w, r: pk_gpu.fused_matmul(x, w, residual=r),
                               (S((8, 1, 12288), BF), S((12288, 4096), BF), S((8, 1, 4096), BF)), {}),
 }
 
@@ -930,7 +930,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("match,shapes", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_verify_rejects_bad_args(match, shapes):
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(pk.paged_verify_attention, *shapes())
+        jax.eval_shape(pk_gpu.paged_verify_attention, *shapes())
 
 
 def test_attention_block_rule():
@@ -988,12 +988,12 @@ def test_tiling_decisions_at_the_rules_boundaries(monkeypatch):
     assert blocks(q_len=8, group=4, pages_per_seq=64, batch=8).num_stages == 3
     assert blocks(q_len=1, group=4, pages_per_seq=64, batch=1, num_splits=8).pallas_merge
 
-    import pallas_kernels.draft_attention as draft_module
+    import pallas_kernels.gpu.draft_attention as draft_module
 
     seen, choose = [], draft_module.choose_blocks
     monkeypatch.setattr(draft_module, "choose_blocks", lambda q, k, table, extra, **kw: (
         seen.append(extra), choose(q, k, table, extra, **kw))[1])
-    jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(block=65))
+    jax.eval_shape(pk_gpu.paged_draft_attention, *_draft_shapes(block=65))
     assert seen == [2 * 128 * 128 * 2]
 
 
@@ -1101,42 +1101,42 @@ def test_tiling_rule_shrinks_the_kv_tile_to_fit_and_names_the_page_size():
     with pytest.raises(ValueError, match="take a 2-byte dtype, a shorter draft block or a smaller block_t"):
         pk_tuning.attention_blocks(page_size=16, extra_smem_bytes=2 * 16 * 256 * 4,
                                    **{**shape, "limits": pk_tuning.GpuLimits(58, 100 * 1024)})
-    jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(head_dim=256, dtype=jnp.float32))
+    jax.eval_shape(pk_gpu.paged_draft_attention, *_draft_shapes(head_dim=256, dtype=jnp.float32))
 
 
 def test_rejects_bad_tuning_and_block_shapes():
     with pytest.raises(ValueError, match="block_t"):
-        jax.eval_shape(functools.partial(pk.paged_verify_attention, block_t=3),
+        jax.eval_shape(functools.partial(pk_gpu.paged_verify_attention, block_t=3),
                        *_attention_shapes())
     with pytest.raises(ValueError, match="pages_per_block"):
-        jax.eval_shape(functools.partial(pk.paged_verify_attention, pages_per_block=3),
+        jax.eval_shape(functools.partial(pk_gpu.paged_verify_attention, pages_per_block=3),
                        *_attention_shapes())
     shapes = list(_draft_shapes())
     shapes[5] = S((2, 8, 8, 128), BF)
     with pytest.raises(ValueError, match="block_k"):
-        jax.eval_shape(pk.paged_draft_attention, *shapes)
+        jax.eval_shape(pk_gpu.paged_draft_attention, *shapes)
     weight = S((128,), BF)
     cos, sin, positions, *pages = _write_shapes()[2:]
     with pytest.raises(ValueError, match="block_rows"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope, num_heads=32, num_kv_heads=8, eps=1e-6, block_rows=48),
+        jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope, num_heads=32, num_kv_heads=8, eps=1e-6, block_rows=48),
                        S((2, 16, 48 * 128), BF), weight, weight, cos, sin)
     k, v = _write_shapes()[:2]
     with pytest.raises(ValueError, match="k_pages"):
-        jax.eval_shape(functools.partial(pk.norm_rope_write, eps=1e-6), k, v, weight, cos, sin, positions,
+        jax.eval_shape(functools.partial(pk_gpu.norm_rope_write, eps=1e-6), k, v, weight, cos, sin, positions,
                        S((200, 16, 4, 128), BF), pages[1], pages[2])
     qkv_kw = dict(num_heads=32, num_kv_heads=8, eps=1e-6)
     with pytest.raises(ValueError, match="qkv must be"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 47 * 128), BF),
+        jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope_write, **qkv_kw), S((2, 16, 47 * 128), BF),
                        weight, weight, cos, sin, positions, *pages)
     # rotary tables: [B, T, R/2] with R/2 a power of two dividing head_dim / 2
     for table, match in [(S((2, 16, 48), BF), "power of two dividing head_dim / 2 = 64"),
                          (S((2, 16, 128), BF), "power of two dividing head_dim / 2 = 64"),
                          (S((2, 15, 64), BF), r"cos and sin must be \[batch, T, rotary_dim / 2\]")]:
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF), weight, weight,
+            jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope, **qkv_kw), S((2, 16, 48 * 128), BF), weight, weight,
                            table, table)
     with pytest.raises(ValueError, match="both be given or both be None"):
-        jax.eval_shape(lambda *a: pk.qkv_norm_rope(a[0], a[1], None, *a[2:], **qkv_kw), S((2, 16, 48 * 128), BF),
+        jax.eval_shape(lambda *a: pk_gpu.qkv_norm_rope(a[0], a[1], None, *a[2:], **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, cos, sin)
     for match, x, w, kw in [("K", S((1, 100), BF), S((100, 64), BF), {}),
                             ("w", S((1, 64), BF), S((32, 64), BF), {}),
@@ -1146,22 +1146,22 @@ def test_rejects_bad_tuning_and_block_shapes():
                             ("residual", S((2, 64), BF), S((64, 32), BF), {"residual": S((2, 64), BF)}),
                             ("block_k", S((2, 64), BF), S((64, 32), BF), {"block_k": 48})]:
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.fused_matmul, **kw), x, w)
+            jax.eval_shape(functools.partial(pk_gpu.fused_matmul, **kw), x, w)
     with pytest.raises(ValueError, match="k_norm_weight"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
+        jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, S((64,), BF), cos, sin, positions, *pages)
     with pytest.raises(ValueError, match="qkv must be"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope, **qkv_kw), S((2, 16, 47 * 128), BF),
+        jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope, **qkv_kw), S((2, 16, 47 * 128), BF),
                        weight, weight, cos, sin)
     with pytest.raises(ValueError, match="positions"):
-        jax.eval_shape(functools.partial(pk.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
+        jax.eval_shape(functools.partial(pk_gpu.qkv_norm_rope_write, **qkv_kw), S((2, 16, 48 * 128), BF),
                        weight, weight, cos, sin, S((2, 15), jnp.int32), *pages)
 
 
 def test_rejects_launch_settings_and_empty_inputs_by_name():
     """What the GPU compiler would reject (a num_warps that is not a power of two aborts the
     process there), what cannot fit in shared memory, and empty inputs: ValueError naming them."""
-    verify = pk.paged_verify_attention
+    verify = pk_gpu.paged_verify_attention
     for kw, match in [({"num_warps": 3}, "num_warps must be a power of two"), ({"num_warps": 0}, "num_warps"),
                       ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t must be >= 1"),
                       ({"pages_per_block": 0}, "pages_per_block must be >= 1"),
@@ -1171,7 +1171,7 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(verify, **kw), *_attention_shapes())
     with pytest.raises(ValueError, match="q block length T must be <= 128, got 129"):
-        jax.eval_shape(pk.paged_draft_attention, *_draft_shapes(block=129))
+        jax.eval_shape(pk_gpu.paged_draft_attention, *_draft_shapes(block=129))
     q, k_pages, v_pages, page_table, start = _attention_shapes()
     with pytest.raises(ValueError, match="at least one query token"):
         jax.eval_shape(verify, S((2, 0, *q.shape[2:]), q.dtype), k_pages, v_pages, page_table, start)
@@ -1187,23 +1187,23 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
         jax.eval_shape(functools.partial(verify, pages_per_block=16, num_stages=4), *_attention_shapes())
     jax.eval_shape(functools.partial(verify, pages_per_block=8, num_stages=3), *_attention_shapes())
     with pytest.raises(ValueError, match="num_stages=4 stages of x and weight tiles"):
-        jax.eval_shape(functools.partial(pk.fused_matmul, block_n=256, block_k=256, num_stages=4),
+        jax.eval_shape(functools.partial(pk_gpu.fused_matmul, block_n=256, block_k=256, num_stages=4),
                        S((16, 1024), BF), S((1024, 512), BF))
     # f32, head_dim 256, a 128-token block: its own K/V alone is 256 KB of shared memory
     f32 = lambda shape, dtype=jnp.float32: S(shape, dtype)  # noqa: E731
     with pytest.raises(ValueError, match="exceed the .* shared memory"):
-        jax.eval_shape(pk.paged_draft_attention, f32((1, 128, 4, 256)), f32((8, 16, 1, 256)), f32((8, 16, 1, 256)),
+        jax.eval_shape(pk_gpu.paged_draft_attention, f32((1, 128, 4, 256)), f32((8, 16, 1, 256)), f32((8, 16, 1, 256)),
                        f32((1, 4), jnp.int32), f32((1,), jnp.int32), f32((1, 128, 1, 256)), f32((1, 128, 1, 256)))
-    write = functools.partial(pk.norm_rope_write, eps=1e-6)
+    write = functools.partial(pk_gpu.norm_rope_write, eps=1e-6)
     k, v, *rest = _write_shapes()
     with pytest.raises(ValueError, match="num_warps"):
         jax.eval_shape(functools.partial(write, num_warps=3), k, v, S((128,), BF), *rest)
     for kw, match in [({"num_warps": 6}, "num_warps"), ({"block_m": 24}, "block_m must be a power of two"),
                       ({"block_n": 0}, "block_n must be >= 1"), ({"num_splits": 0}, "num_splits must be >= 1")]:
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.fused_matmul, **kw), S((2, 64), BF), S((64, 32), BF))
+            jax.eval_shape(functools.partial(pk_gpu.fused_matmul, **kw), S((2, 64), BF), S((64, 32), BF))
     with pytest.raises(ValueError, match="at least one row"):
-        jax.eval_shape(pk.fused_matmul, S((0, 64), BF), S((64, 32), BF))
+        jax.eval_shape(pk_gpu.fused_matmul, S((0, 64), BF), S((64, 32), BF))
     o, lse = S((4, 2, 64), BF), S((4, 2), jnp.float32)
     for shapes, kw, match in [((o, S((4, 3), jnp.float32)), {}, "lse .splits, .... with o's leading shape"),
                               ((o, S((4, 2), BF)), {}, "lse must be float32"),
@@ -1212,13 +1212,13 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
                               ((o, lse), {"num_warps": 3}, "num_warps"),
                               ((S((4, 0, 64), BF), S((4, 0), jnp.float32)), {}, "at least one split and one row")]:
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.combine_splits, **kw), *shapes)
+            jax.eval_shape(functools.partial(pk_gpu.combine_splits, **kw), *shapes)
     # a tile too large for shared memory is refused here, not by the GPU at launch
     with pytest.raises(ValueError, match="one stage of x and weight tiles .294912 B.* exceeds"):
-        jax.eval_shape(functools.partial(pk.fused_matmul, block_k=512, block_n=128),
+        jax.eval_shape(functools.partial(pk_gpu.fused_matmul, block_k=512, block_n=128),
                        S((2, 1024), jnp.float32), S((1024, 256), jnp.float32))
     # a given num_splits picks a K tile whose steps it divides (256 would leave one step for 2)
-    jax.eval_shape(functools.partial(pk.fused_matmul, num_splits=2), S((2, 256), BF), S((256, 64), BF))
+    jax.eval_shape(functools.partial(pk_gpu.fused_matmul, num_splits=2), S((2, 256), BF), S((256, 64), BF))
     moe = (S((4, 64), BF), S((4, 2), jnp.int32), S((4, 2), BF), S((8, 64, 64), BF), S((8, 32, 64), BF))
     for changed, kw, match in [((), {"block_m": 8}, "block_m must be a power of two >= 16"),
                                ((), {"block_n": 24}, "block_n must be a power of two >= 16 that divides 32, got 24"),
@@ -1233,7 +1233,7 @@ def test_rejects_launch_settings_and_empty_inputs_by_name():
                                 "multiples of 16")]:
         shapes = [changed.get(i, shape) for i, shape in enumerate(moe)] if changed else moe
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.routed_experts, **kw), *shapes)
+            jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *shapes)
 
 
 def test_routed_experts_rejects_bad_mxfp4_weights():
@@ -1254,13 +1254,13 @@ def test_routed_experts_rejects_bad_mxfp4_weights():
             (mx(8, 64, 64), mx(8, 32, 64), {"block_k": 16}, "routed_experts_gate_up: block_k must be a power of "
              "two >= 32 that divides 64 .whole MXFP4 scale groups., got 16")]:
         with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(pk.routed_experts, **kw), x, experts, weights, gate_up, down)
+            jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), x, experts, weights, gate_up, down)
     # two stages of bf16 gate|up tiles (2 x 256 x 128 x 2 B) overflow Hopper's budget; MXFP4's fit
     big = (S((4, 256), BF), experts, weights)
     kw = dict(block_n=128, block_k=256, num_stages=2)
     with pytest.raises(ValueError, match="routed_experts_gate_up: num_stages=2 stages of 139264 B"):
-        jax.eval_shape(functools.partial(pk.routed_experts, **kw), *big, S((8, 256, 512), BF), S((8, 256, 256), BF))
-    jax.eval_shape(functools.partial(pk.routed_experts, **kw), *big, mx(8, 256, 512), mx(8, 256, 256))
+        jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, S((8, 256, 512), BF), S((8, 256, 256), BF))
+    jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, mx(8, 256, 512), mx(8, 256, 256))
 
 def test_write_pages_drops_page_ids_outside_the_pool():
     """Like the kernels: a page id outside [0, num_pages), negative included, writes nothing."""

@@ -95,7 +95,7 @@ def test_dispatch_point(monkeypatch):
     anywhere; anything else is refused."""
     from dflash_jax.model import ops
     from dflash_jax.model.ops import AUTO_KERNELS, TPU_KERNELS, resolve_impl
-    from pallas_kernels import tuning
+    from pallas_kernels.gpu import tuning
     able = tuning.kernel_device_problem() is None
     if jax.default_backend() == "cpu":  # CI
         assert not able and not ops.on_tpu()

@@ -22,7 +22,7 @@ import torch
 from dflash_jax.training import data, train_draft, train_target
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.loading.tokenizer import Tokenizer
-from pallas_kernels.verify_attention import masked_gqa_attention
+from pallas_kernels.attention import masked_gqa_attention
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TEXT_GLOB = str(STDLIB / "json" / "*.py")

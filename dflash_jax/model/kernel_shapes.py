@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pallas_kernels import tuning as pk_tuning
-from pallas_kernels.verify_attention import padded_group
+from pallas_kernels.gpu import tuning as pk_tuning
+from pallas_kernels.gpu.verify_attention import padded_group
+from pallas_kernels.sizes import is_power_of_2
 
 from dflash_jax.model.config import ModelConfig
 from dflash_jax.model.nn.attention import AttentionSpec
@@ -22,16 +23,15 @@ def check_kernel_shapes(impl: AttentionImpl, configs: Sequence[ModelConfig], pag
     shared memory; the norm+RoPE kernels rotary tables of a power-of-two width; the projection
     and routed-experts kernels widths that are multiples of 16; the gated delta rule kernels
     power-of-two head dims >= 16."""
-    power_of_two = pk_tuning.is_power_of_2
     specs = sorted({layer.mixer for config in configs for layer in config.layers
                     if isinstance(layer.mixer, AttentionSpec)}, key=repr)
     problems = []
     attention = resolve_impl(impl, "verify_attention")
     if attention != "reference":
         for head_dim in sorted({spec.head_dim for spec in specs}):
-            if not (power_of_two(head_dim) and head_dim >= 16):
+            if not (is_power_of_2(head_dim) and head_dim >= 16):
                 problems.append(f"head_dim {head_dim} (needs a power of two >= 16)")
-        if not power_of_two(page_size):
+        if not is_power_of_2(page_size):
             problems.append(f"page_size {page_size} (needs a power of two)")
         if attention.startswith("gpu") and block_size > 128:
             problems.append(f"block_size {block_size} (the draft kernel takes <= 128)")
@@ -49,7 +49,7 @@ def check_kernel_shapes(impl: AttentionImpl, configs: Sequence[ModelConfig], pag
     if any(resolve_impl(impl, op).startswith("gpu") for op in ("write_kv", "qkv_norm_rope_write", "qkv_norm_rope")):
         for spec in specs:
             width = spec.rope.rotary_dim // 2
-            if not (power_of_two(width) and (spec.head_dim // 2) % width == 0):
+            if not (is_power_of_2(width) and (spec.head_dim // 2) % width == 0):
                 problems.append(f"rotary dimension {spec.rope.rotary_dim} of head_dim {spec.head_dim} (the norm+RoPE "
                                 "kernels need half of it to be a power of two dividing head_dim / 2)")
     gated_delta = resolve_impl(impl, "gated_delta_rule")
@@ -66,7 +66,7 @@ def check_kernel_shapes(impl: AttentionImpl, configs: Sequence[ModelConfig], pag
                 spec = config.layers[i].mixer
                 problems += [f"linear attention {name} {size} (the gated delta rule kernels need a power of two >= 16)"
                              for name, size in (("key_dim", spec.key_dim), ("value_dim", spec.value_dim))
-                             if not (power_of_two(size) and size >= 16)]
+                             if not (is_power_of_2(size) and size >= 16)]
     if resolve_impl(impl, "routed_experts").startswith("gpu"):
         for config in configs:
             widths = {layer.ffn.intermediate_size for layer in config.layers if isinstance(layer.ffn, MoESpec)}

@@ -24,8 +24,9 @@ from typing import Literal
 import jax
 
 import pallas_kernels as pk
+from pallas_kernels import gpu as pk_gpu
 from pallas_kernels import tpu as pk_tpu
-from pallas_kernels import tuning as pk_tuning
+from pallas_kernels.gpu import tuning as pk_tuning
 
 from dflash_jax.model.collectives import sum_partials
 
@@ -101,8 +102,8 @@ def verify_attention(q, k_pages, v_pages, page_table, start, *, sliding_window, 
     if impl.startswith("tpu"):
         return pk_tpu.paged_verify_attention(q, k_pages, v_pages, page_table, start, sliding_window=sliding_window,
                                              sinks=sinks, interpret=impl == "tpu-interpret")
-    return pk.paged_verify_attention(q, k_pages, v_pages, page_table, start,
-                                     sliding_window=sliding_window, sinks=sinks, **_kernel_kwargs(impl))
+    return pk_gpu.paged_verify_attention(q, k_pages, v_pages, page_table, start,
+                                         sliding_window=sliding_window, sinks=sinks, **_kernel_kwargs(impl))
 
 
 def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v, block_lens, *,
@@ -117,9 +118,9 @@ def draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, bloc
         return pk_tpu.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
                                             block_lens, sliding_window=sliding_window, causal=causal,
                                             interpret=impl == "tpu-interpret")
-    return pk.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
-                                    block_lens, sliding_window=sliding_window, causal=causal,
-                                    **_kernel_kwargs(impl))
+    return pk_gpu.paged_draft_attention(q, k_pages, v_pages, page_table, context_lens, block_k, block_v,
+                                        block_lens, sliding_window=sliding_window, causal=causal,
+                                        **_kernel_kwargs(impl))
 
 
 def qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, *, num_heads, num_kv_heads, eps, impl):
@@ -132,7 +133,7 @@ def qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, *, num_heads, num_kv_heads, eps
         return pk.qkv_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, **kw)
     if impl.startswith("tpu"):
         return pk_tpu.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, interpret=impl == "tpu-interpret")
-    return pk.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, **_kernel_kwargs(impl))
+    return pk_gpu.qkv_norm_rope(qkv, q_norm, k_norm, cos, sin, **kw, **_kernel_kwargs(impl))
 
 
 def write_kv(k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *, eps, impl):
@@ -143,7 +144,7 @@ def write_kv(k, v, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *,
         return pk.norm_rope_write_reference(*args, eps=eps)
     if impl.startswith("tpu"):
         return pk_tpu.norm_rope_write(*args, eps=eps, interpret=impl == "tpu-interpret")
-    return pk.norm_rope_write(*args, eps=eps, **_kernel_kwargs(impl))
+    return pk_gpu.norm_rope_write(*args, eps=eps, **_kernel_kwargs(impl))
 
 
 def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pages, page_table, *, num_heads,
@@ -157,7 +158,7 @@ def qkv_norm_rope_write(qkv, q_norm, k_norm, cos, sin, positions, k_pages, v_pag
         return pk.qkv_norm_rope_write_reference(*args, **kw)
     if impl.startswith("tpu"):
         return pk_tpu.qkv_norm_rope_write(*args, **kw, interpret=impl == "tpu-interpret")
-    return pk.qkv_norm_rope_write(*args, **kw, **_kernel_kwargs(impl))
+    return pk_gpu.qkv_norm_rope_write(*args, **kw, **_kernel_kwargs(impl))
 
 
 def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residual=None, sum_over=None, impl):
@@ -174,7 +175,7 @@ def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residua
         if impl == "reference":
             y = pk.fused_matmul_reference(x, w)
         else:
-            y = pk.fused_matmul(x, w, **_kernel_kwargs(impl))
+            y = pk_gpu.fused_matmul(x, w, **_kernel_kwargs(impl))
         y = sum_partials(y.astype("float32"), sum_over)
         if bias is not None:
             y = y + bias.astype(y.dtype)
@@ -183,9 +184,9 @@ def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residua
         return pk.fused_matmul_reference(x, w, norm_weight=norm_weight, eps=eps, bias=bias, gated=gated,
                                          residual=residual)
     if bias is None:
-        return pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual,
-                               **_kernel_kwargs(impl))
-    y = pk.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
+        return pk_gpu.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual,
+                                   **_kernel_kwargs(impl))
+    y = pk_gpu.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
     return pk.finish_projection(y + bias.astype(y.dtype), residual, gated, x.dtype)
 
 
@@ -201,8 +202,8 @@ def routed_experts(x, experts, weights, gate_up, down, gate_up_bias=None, down_b
     if impl.startswith("tpu"):
         return pk_tpu.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
                                      interpret=impl == "tpu-interpret")
-    return pk.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
-                             **_kernel_kwargs(impl))
+    return pk_gpu.routed_experts(x, experts, weights, gate_up, down, gate_up_bias, down_bias, **kw,
+                                 **_kernel_kwargs(impl))
 
 
 RECURRENT_REFERENCE_TOKENS = 16  # up to a verify block: the reference walks tokens; beyond, the chunked form
@@ -221,4 +222,4 @@ def gated_delta_rule(q, k, v, g, beta, state, *, with_output=True, with_state=Tr
         return pk.chunked_gated_delta_rule_reference(q, k, v, g, beta, state, **kw)
     if impl.startswith("tpu"):
         return pk_tpu.gated_delta_rule(q, k, v, g, beta, state, **kw, interpret=impl == "tpu-interpret")
-    return pk.gated_delta_rule(q, k, v, g, beta, state, **kw, **_kernel_kwargs(impl))
+    return pk_gpu.gated_delta_rule(q, k, v, g, beta, state, **kw, **_kernel_kwargs(impl))

@@ -23,7 +23,7 @@ from dflash_jax.runtime.decode import bucket
 from dflash_jax.runtime.engine import (MAX_STOP_TOKEN_IDS, PREFILL_CHUNK, Engine, Request, RequestOutput,
                                        RequestParams, compile_seconds)
 from dflash_jax.runtime.sampling import SamplingConfig
-from pallas_kernels.tuning import next_power_of_2
+from pallas_kernels.sizes import next_power_of_2
 
 
 PREFILL_TOKENS = 16384   # prompt tokens a batch engine's step prefills, at most (bounds the activations)

@@ -49,7 +49,7 @@ from dflash_jax.entrypoints.cli import (COMPILE_CACHE_HELP, DTYPE_DEFAULT_HELP, 
 from dflash_jax.model.config import ModelConfig, uniform_config
 from dflash_jax.model.params import TargetParams, cast_params, init_target_params
 from dflash_jax.model.sharding import TensorParallel, local_config, specs, target_layout
-from pallas_kernels.tuning import is_power_of_2
+from pallas_kernels.sizes import is_power_of_2
 
 
 # ---------------------------------------------------------------------------------------------

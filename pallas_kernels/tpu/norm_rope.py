@@ -1,7 +1,7 @@
 """RMSNorm + RoPE with the paged KV write on TPUs (Mosaic).
 
 Same arguments and results as ``norm_rope_write_reference``, ``qkv_norm_rope_write_reference``
-and ``qkv_norm_rope_reference`` (plain jnp, beside the GPU kernels in ``pallas_kernels.norm_rope``):
+and ``qkv_norm_rope_reference`` (plain jnp, in ``pallas_kernels.norm_rope``):
 per-head RMSNorm in f32 (a weight of None skips it), then rotate-half RoPE on the first
 ``rotary_dim`` dims of each head with precomputed tables cos, sin ``[B, T, rotary_dim / 2]``.
 
@@ -25,7 +25,7 @@ started, and the rest of the pool is never touched. Two tokens of a batch writin
 (page, slot) race, as they do in the reference's scatter.
 
 Limits: float32 and bfloat16 only (float16 is refused); the GPU kernels' shape rules (the
-``_check_*`` functions of ``pallas_kernels.norm_rope``: head_dim a power of two >= 16,
+``check_*`` functions of ``pallas_kernels.norm_rope``: head_dim a power of two >= 16,
 rotary_dim / 2 a power of two dividing head_dim / 2); the whole page table must fit in SMEM
 beside the positions, as for ``paged_attention``.
 """
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.norm_rope import (_check_pages, _check_positions, _check_qkv, check_norm_rope_write_args)
+from pallas_kernels.norm_rope import check_norm_rope_write_args, check_pages, check_positions, check_qkv
 from pallas_kernels.tpu.dma import guarded
 from pallas_kernels.tpu.paged_attention import vmem_capacity
 
@@ -291,7 +291,7 @@ def _qkv_call(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, pages, *, 
     """The pallas_call behind both qkv wrappers: ``pages`` is (k_pages, v_pages, page_table) or
     None. Returns q [B * T, Hq, D] and either the pages or k, v [B * T, Hkv, D]."""
     name = "tpu_qkv_norm_rope" if pages is None else "tpu_qkv_norm_rope_write"
-    batch, q_len, head_dim, _ = _check_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads)
+    batch, q_len, head_dim, _ = check_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads)
     _check_dtype(name, qkv.dtype)
     tokens, width, half, itemsize = batch * q_len, qkv.shape[-1], cos.shape[-1], qkv.dtype.itemsize
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
@@ -314,8 +314,8 @@ def _qkv_call(qkv, q_norm_weight, k_norm_weight, cos, sin, positions, pages, *, 
         out_width = q_width + 2 * kv_width
     else:
         k_pages, v_pages, page_table = pages
-        _check_positions(positions, (batch, q_len))
-        _check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages, v_pages,
+        check_positions(positions, (batch, q_len))
+        check_pages(jax.ShapeDtypeStruct((batch, q_len, num_kv_heads, head_dim), qkv.dtype), k_pages, v_pages,
                      page_table)
         prefetch = (positions.reshape(-1).astype(jnp.int32), page_table)
         any_spec = pl.BlockSpec(memory_space=pl.ANY)

@@ -2,8 +2,8 @@
 draft's non-causal block attention, one kernel for both.
 
 Same semantics and arguments as ``paged_verify_attention_reference`` and
-``paged_draft_attention_reference`` (the references live beside the GPU kernels and serve both
-backends). Pages keep the one layout ``[num_pages, page_size, kv_heads, head_dim]``.
+``paged_draft_attention_reference`` (``pallas_kernels.attention``: the references and argument
+checks both backends share). Pages keep the one layout ``[num_pages, page_size, kv_heads, head_dim]``.
 
 One program per (sequence, query tile). Its rows are ``block_t`` query tokens times every query
 head (row ``r``: token ``r // Hq``, head ``r % Hq``). A loop runs over the pages its rows can see
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention import check_paged_args, check_sliding_window
 from pallas_kernels.tpu.dma import guarded
-from pallas_kernels.verify_attention import check_paged_args, check_sliding_window
 
 # Target rows (query tokens x query heads) per program and keys (tokens x KV heads) per step.
 ROWS_PER_TILE = 256

@@ -1,8 +1,8 @@
 """Routed SwiGLU experts of a MoE layer on TPUs (Mosaic): each token's ``top_k`` experts,
 weighted and summed, reading only the routed experts' weights.
 
-Same semantics and arguments as ``routed_experts_reference`` (beside the GPU kernel; it serves
-both backends): per-expert biases, gpt-oss's clamped SwiGLU, expert id -1 for a pair that adds
+Same semantics and arguments as ``routed_experts_reference`` (``pallas_kernels.routed_experts``; it
+serves both backends): per-expert biases, gpt-oss's clamped SwiGLU, expert id -1 for a pair that adds
 nothing (it takes no row and reads nothing).
 
 Layout (the GPU kernel's, ``expert_tiles``): the (token, expert) pairs are grouped by expert and
@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.routed_experts import Mxfp4Weight, check_routed_experts_args, expert_tiles, swiglu
+from pallas_kernels.sizes import next_power_of_2
 from pallas_kernels.tpu.paged_attention import vmem_capacity
-from pallas_kernels.tuning import next_power_of_2
 
 DECODE_TOKENS = 32      # up to this many tokens a tile holds every pair of its expert
 MAX_TILE_ROWS = 256     # rows of the largest default tile

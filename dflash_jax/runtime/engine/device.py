@@ -26,7 +26,7 @@ from dflash_jax.runtime.decode import (ChunkOutput, DecodeState, LoopConfig, Pre
                                        bucket, engine_chunk, prefill_slots, release_slots, set_page_rows)
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request
 from dflash_jax.runtime.sampling import SamplingConfig, SamplingRows
-from pallas_kernels.tuning import next_power_of_2
+from pallas_kernels.sizes import next_power_of_2
 
 log = logging.getLogger(__name__)
 

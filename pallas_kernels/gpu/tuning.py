@@ -1,4 +1,4 @@
-"""Block sizes for the Pallas kernels: one rule per kernel family, overridable per call.
+"""Block sizes for the GPU kernels: one rule per kernel family, overridable per call.
 
 The attention kernels are memory-bound (at most a few dozen FLOPs per KV byte), so the rule aims
 for (1) enough programs to cover every SM of the GPU (132 on an H100/H200), splitting the context
@@ -21,6 +21,8 @@ import dataclasses
 import functools
 
 import jax
+
+from pallas_kernels.sizes import is_power_of_2, next_power_of_2
 
 MIN_TILES_PER_SPLIT = 2  # never split the context finer than this many KV tiles per program...
 # ...unless the page table is too short to give the GPU this many splits of two 128-token tiles
@@ -106,14 +108,6 @@ def gpu_limits() -> GpuLimits:
     compile for whichever of them a computation runs on)."""
     limits = [device_limits(device) for device in jax.local_devices()]
     return GpuLimits(num_sms=min(x.num_sms for x in limits), smem_per_sm=min(x.smem_per_sm for x in limits))
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def check_launch(num_warps: int, num_stages: int) -> None:

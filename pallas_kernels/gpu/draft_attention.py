@@ -1,11 +1,6 @@
-"""Non-causal DFlash draft attention: a block of queries over paged context K/V plus the block's own K/V.
-
-Sequence ``b`` has ``context_lens[b]`` context tokens cached at positions ``0..context_lens[b]-1``;
-its block query ``t`` sits at position ``context_lens[b] + t``. Keys: every cached context token,
-then the block's own K/V (``block_k``, never written to the cache), of which only the first
-``block_lens[b]`` are real (a block cut short near ``max_new_tokens``). No causal mask unless
-``causal=True`` (the z-lab reference makes sliding-window draft layers causal); a sliding window
-``w`` keeps keys with ``|q_pos - k_pos| < w`` (one-sided when causal).
+"""DFlash draft attention on GPUs: a block of queries over paged context K/V plus the block's own
+K/V, the kernel behind ``paged_draft_attention_reference`` (``pallas_kernels.attention``, where the
+semantics and the argument checks live).
 
 The kernel is verify_attention's paged online softmax (same grid, page loop and context split)
 followed, in the last split, by one more softmax step over the block's own K/V tile, so context
@@ -20,12 +15,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paging import gather_pages
-from pallas_kernels.tuning import next_power_of_2
-from pallas_kernels.verify_attention import (TUNING_ARGS, attend_pages, check_paged_args,
-                                             check_sliding_window, choose_blocks, init_carry, load_query_tile,
-                                             masked_gqa_attention, paged_attention_call,
-                                             softmax_scale, softmax_step, store_output)
+from pallas_kernels.attention import check_paged_args, check_sliding_window
+from pallas_kernels.gpu.verify_attention import (TUNING_ARGS, attend_pages, choose_blocks, init_carry,
+                                                 load_query_tile, paged_attention_call, softmax_scale,
+                                                 softmax_step, store_output)
+from pallas_kernels.sizes import next_power_of_2
 
 # The block's own keys are one tile of up to this many tokens.
 MAX_BLOCK = 128
@@ -35,41 +29,6 @@ def block_tile(block: int) -> int:
     """Rows in which the kernel loads the block's own K and V: the block padded to a power of
     two, at least 16 (Triton's smallest dot)."""
     return max(16, next_power_of_2(block))
-
-
-def paged_draft_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                                    page_table: jax.Array, context_lens: jax.Array,
-                                    block_k: jax.Array, block_v: jax.Array,
-                                    block_lens: jax.Array | None = None, *,
-                                    sliding_window: int | None = None,
-                                    causal: bool = False, sinks: jax.Array | None = None) -> jax.Array:
-    """q, block_k/v: [B, T, H*, D]; pages [P, S, Hkv, D]; page_table [B, n]; lens [B] int32;
-    sinks [Hq] or None (``masked_gqa_attention``)."""
-    check_sliding_window(sliding_window)
-    batch, block = q.shape[:2]
-    if block_lens is None:
-        block_lens = jnp.full((batch,), block, jnp.int32)
-    ctx_k = gather_pages(k_pages, page_table)
-    ctx_v = gather_pages(v_pages, page_table)
-    keys = jnp.concatenate([ctx_k, block_k.astype(ctx_k.dtype)], axis=1)
-    values = jnp.concatenate([ctx_v, block_v.astype(ctx_v.dtype)], axis=1)
-    ctx_slots = ctx_k.shape[1]
-    t = jnp.arange(block)
-    q_pos = context_lens[:, None] + t[None, :]                                   # [B, T]
-    ctx_pos = jnp.broadcast_to(jnp.arange(ctx_slots), (batch, ctx_slots))
-    blk_pos = context_lens[:, None] + t[None, :]
-    k_pos = jnp.concatenate([ctx_pos, blk_pos], axis=1)                           # [B, K]
-    k_real = jnp.concatenate([ctx_pos < context_lens[:, None],
-                              t[None, :] < block_lens[:, None]], axis=1)          # [B, K]
-    visible = jnp.broadcast_to(k_real[:, None, :], (batch, block, k_pos.shape[1]))
-    if causal:
-        visible &= k_pos[:, None, :] <= q_pos[:, :, None]
-    if sliding_window is not None:
-        distance = q_pos[:, :, None] - k_pos[:, None, :]
-        visible &= distance < sliding_window
-        if not causal:
-            visible &= -distance < sliding_window
-    return masked_gqa_attention(q, keys, values, visible, sinks)
 
 
 def _draft_kernel(ctx_ref, blen_ref, pt_ref, q_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, *lse_refs,
