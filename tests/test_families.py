@@ -71,10 +71,11 @@ def test_dflash_through_every_kernel(family_pair, impl):
     """The same with every Pallas kernel interpreted: the GPU kernels (the routed-experts kernel
     for the MoE), or the TPU kernels in TPU interpret mode."""
     pair = family_pair
-    prompts = _prompts(pair.target.config.vocab_size)[:2]
-    ours = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=24, impl=impl)
+    rows, max_new = (2, 24) if impl == "interpret" else (1, 16)  # the TPU interpreter runs kernels slowly
+    prompts = _prompts(pair.target.config.vocab_size)[:rows]
+    ours = generate(pair.target, prompts, draft=pair.draft, max_new_tokens=max_new, impl=impl)
     for b, prompt in enumerate(prompts):
-        assert (ours.tokens[b], ours.stats.accept_lengths[b]) == _reference(pair, prompt, 24), f"sequence {b}"
+        assert (ours.tokens[b], ours.stats.accept_lengths[b]) == _reference(pair, prompt, max_new), f"sequence {b}"
 
 
 def test_exported_draft_runs_in_the_reference(family_pair, tmp_path):

@@ -96,10 +96,11 @@ def test_acceptance_equals_a_cache_free_dflash(hybrid_pair, impl):
     """Tokens and acceptance lengths per step equal those of DFlash recomputed from scratch (also
     through the TPU kernels in TPU interpret mode: attention and the gated delta rule)."""
     hf_target, hf_draft, target, draft = hybrid_pair
-    prompts = _prompts(1)[:2]
-    ours = generate(target, prompts, draft=draft, max_new_tokens=24, block_size=8, impl=impl)
+    rows, max_new = (2, 24) if impl == "reference" else (1, 16)  # the TPU interpreter runs kernels slowly
+    prompts = _prompts(1)[:rows]
+    ours = generate(target, prompts, draft=draft, max_new_tokens=max_new, block_size=8, impl=impl)
     for b, prompt in enumerate(prompts):
-        tokens, accepted = cache_free_dflash(hf_target, hf_draft, prompt, 24, 8)
+        tokens, accepted = cache_free_dflash(hf_target, hf_draft, prompt, max_new, 8)
         assert ours.tokens[b] == tokens, f"sequence {b}"
         assert ours.stats.accept_lengths[b] == accepted, f"sequence {b} acceptance"
 
