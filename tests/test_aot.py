@@ -4,6 +4,7 @@ not fit answer. The real-width programs compile here with a few layers of each m
 of its layer pattern): a layer's kernels and shapes are what can fail; depth only multiplies."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -62,13 +63,36 @@ REAL_WIDTHS = {
 def test_real_widths_compile_and_fit(case):
     shape, layers, topology, devices = case
     target, draft = shallow(shape, layers)
-    sizing = size_for_topology(target, draft, topology=topology, tp=devices, max_num_seqs=8, max_model_len=1024,
-                               prefill_chunk=256)
+    sizing = size_for_topology(target, draft, topology=topology, tp=devices, max_num_seqs=2, max_model_len=512,
+                               prefill_chunk=128, prefill_rows=2)
     assert sizing.problem is None and sizing.devices == devices
-    assert [r.name for r in sizing.programs] == ["prefill (8 rows x 256 tokens)", "DFlash step (bs 8)"]
+    assert [r.name for r in sizing.programs] == ["prefill (2 rows x 128 tokens)", "DFlash step (bs 2)"]
     prefill, step = sizing.programs
     assert step.peak_bytes >= sizing.weight_bytes + sizing.kv_pool_bytes  # the step reads every weight
     assert prefill.peak_bytes >= sizing.kv_pool_bytes
     for report in sizing.programs:
         assert report.temp_bytes < sizing.weight_bytes / 4  # no copy of the weights or the pool
         assert report.bytes_accessed > 0 and report.roofline_s > 0
+
+
+def test_estimates_script_gives_floors_per_chip_and_split(tmp_path, capsys):
+    """benchmarks/tpu_estimates.py: a row per chip, split and batch; a split chip's share is the
+    whole's divided (weights and KV), and libtpu's bandwidths order the chips' decode floors."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tpu_estimates
+
+    out = tmp_path / "estimates.json"
+    assert tpu_estimates.main(["--shapes", "qwen3-8b", "--chips", "v5e:2x2=1,v5e:2x2=4,v6e:2x2=1",
+                               "--batches", "1,32", "--json", str(out)]) == 0
+    rows = {(r["chip"], r["tp"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 6 and "TPU v6 lite" in capsys.readouterr().out
+    one, four, v6e = rows["TPU v5 lite", 1, 1], rows["TPU v5 lite", 4, 1], rows["TPU v6 lite", 1, 1]
+    assert not one["fits"] and four["fits"] and v6e["fits"]  # 16 GiB of Qwen3-8B on a 16 GiB v5e chip
+    assert math.isclose(four["weights_bytes"] * 4, one["weights_bytes"])
+    assert v6e["decode_ms"] < one["decode_ms"] and v6e["decode_bytes"] == one["decode_bytes"]
+    for row in rows.values():
+        assert row["step_bytes"] > row["decode_bytes"] and row["speedup"] > 1
