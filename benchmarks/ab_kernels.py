@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import run_loop  # noqa: E402
 from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
-                    positive_int, random_models, require_gpu, run_record, write_json)
+                    positive_int, random_models, require_accelerator, run_record, write_json)
 
 from dflash_jax.model import ops  # noqa: E402
 
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
-    require_gpu(args.shape)
+    require_accelerator(args.shape)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run_record(args)
     report.update(op=args.op, alpha=args.alpha, rows=[])

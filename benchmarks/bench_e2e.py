@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, check_block_sizes,  # noqa: E402
                     check_positions, measure_ceilings, median_seconds, names_from, output_dir,
                     override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
-                    require_gpu, run_record, write_json)
+                    require_accelerator, run_record, write_json)
 
 from dflash_jax.model import draft as draft_model  # noqa: E402
 from dflash_jax.model import target as target_model  # noqa: E402
@@ -483,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
 
 def main(argv: list[str] | None = None):
     args, reference = parse_args(argv)
-    require_gpu(args.shape)
+    require_accelerator(args.shape)
     device = jax.devices()[0].device_kind
     if reference and reference.get("device", device) != device and not args.shape.startswith("tiny"):
         print(f"error: --reference-json was measured on {reference['device']}, this run is on {device}: "

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds, names_from,  # noqa: E402
-                    output_dir, positive_int, positive_ints, require_gpu, run_record, write_json)
+                    output_dir, positive_int, positive_ints, require_accelerator, run_record, write_json)
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import gpu as pk_gpu  # noqa: E402
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--iterations", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args(argv)
-    require_gpu(args.shape)
+    require_accelerator(args.shape, ("gpu",))
     args.out.mkdir(parents=True, exist_ok=True)
     config = SHAPES[args.shape][0]
     spec = config.layers[config.recurrent_layers[0]].mixer

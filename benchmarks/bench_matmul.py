@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds,  # noqa: E402
-                    output_dir, positive_ints, require_gpu, run_record, tuning_sets, write_json)
+                    output_dir, positive_ints, require_accelerator, run_record, tuning_sets, write_json)
 
 from dflash_jax.model.config import ModelConfig  # noqa: E402
 from dflash_jax.model.nn.mlp import MLPSpec  # noqa: E402
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     config = SHAPES[args.shape][0]
     check_tunings(parser, args, config)
-    require_gpu(args.shape)
+    require_accelerator(args.shape, ("gpu",))
     args.out.mkdir(parents=True, exist_ok=True)
     copies = copy_bandwidth(CEILING_SIZES[args.shape][0])
     bw = copy_ceiling_bytes_per_s(copies)

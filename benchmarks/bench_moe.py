@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (SHAPES, copy_bandwidth, copy_ceiling_bytes_per_s, median_seconds, names_from,  # noqa: E402
-                    output_dir, positive_int, positive_ints, require_gpu, run_record, tuning_sets, write_json)
+                    output_dir, positive_int, positive_ints, require_accelerator, run_record, tuning_sets, write_json)
 
 from profile_step import kernel_events, summarize  # noqa: E402
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None):
                         help="token counts whose ragged_dot and default kernel runs are traced too: the time per "
                         "kernel, launch gaps included, goes into the report")
     args = parser.parse_args(argv)
-    require_gpu(args.shape)
+    require_accelerator(args.shape, ("gpu",))
     args.out.mkdir(parents=True, exist_ok=True)
     config = SHAPES[args.shape][0]
     spec = next(layer.ffn for layer in config.layers if isinstance(layer.ffn, MoESpec))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import time_chunk  # noqa: E402
 from common import (SHAPES, acceptance_rate, add_auto_kernels_option, check_block_sizes, check_positions,  # noqa: E402
                     names_from, output_dir, override_auto_kernels, positive_int, random_models, random_prompts,
-                    require_gpu, run_record, write_json)
+                    require_accelerator, run_record, write_json)
 
 from dflash_jax.model.ops import IMPLS  # noqa: E402
 from dflash_jax.entrypoints.cli import at_least  # noqa: E402
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
-    require_gpu(args.shape)
+    require_accelerator(args.shape)
     override_auto_kernels(args.auto_kernels)
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = random_models(args.shape, None if args.tp == 1 else TensorParallel(make_mesh(args.tp)))

@@ -382,7 +382,8 @@ def test_real_shape_runs_refuse_a_cpu_in_one_line(script, capsys, tmp_path):
         script.main(argv)
     assert exit_.value.code == 2
     shape = "qwen3-30b-a3b" if script is bench_moe else "qwen3-8b"
-    assert capsys.readouterr().err.strip() == (f"error: --shape {shape} is timed on a GPU, and jax sees only cpu "
+    kinds = "GPU" if script in (bench_matmul, bench_moe) else "GPU or TPU"  # the engine's runs take a TPU too
+    assert capsys.readouterr().err.strip() == (f"error: --shape {shape} is timed on a {kinds}, and jax sees only cpu "
                                                "(--shape tiny is the CPU smoke test)")
 
 
