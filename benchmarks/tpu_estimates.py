@@ -25,20 +25,7 @@ from bench_e2e import Roofline, expected_tau, nbytes  # noqa: E402
 from common import SHAPES, positive_ints, write_json  # noqa: E402
 from dflash_jax.loading.models import Draft, Target  # noqa: E402
 from dflash_jax.model.params import init_draft_params, init_target_params  # noqa: E402
-
-
-def chip_figures(topology: str) -> dict:
-    """One chip of ``topology``: its kind, HBM bytes, bytes/s and bf16 FLOP/s (libtpu's figures)."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    from pallas_kernels.tpu.compile import topology_devices
-
-    device = topology_devices(topology)[0]
-    with jax.default_device(device):
-        info = pltpu.get_tpu_info()
-    return {"kind": device.device_kind, "hbm_bytes": info.hbm_capacity_bytes * info.num_cores,
-            "bandwidth_bytes_per_s": info.mem_bw_bytes_per_second * info.num_cores,
-            "matmul_flops_per_s": info.bf16_ops_per_second * info.num_cores}
+from pallas_kernels.tpu.compile import chip_figures, topology_devices  # noqa: E402
 
 
 def shaped_models(shape: str) -> tuple[Target, Draft]:
@@ -51,7 +38,7 @@ def shaped_models(shape: str) -> tuple[Target, Draft]:
 
 def estimate(shape: str, topology: str, tp: int, batches: list[int], context: int, block: int | None,
              alpha: float) -> list[dict]:
-    chip = chip_figures(topology)
+    chip = chip_figures(topology_devices(topology)[0])
     target, draft = shaped_models(shape)
     block = block or draft.config.block_size
     roof = Roofline(target, draft, chip, shards=tp, draft_shards=tp)

@@ -112,7 +112,6 @@ def size_for_topology(target_config, draft_config, *, topology: str, tp: int = 1
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
     from dflash_jax.model.kernel_shapes import check_kernel_shapes
@@ -123,7 +122,7 @@ def size_for_topology(target_config, draft_config, *, topology: str, tp: int = 1
                                            state_specs)
     from dflash_jax.runtime.engine.device import empty_state
     from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS
-    from pallas_kernels.tpu.compile import topology_devices
+    from pallas_kernels.tpu.compile import chip_figures, topology_devices
 
     try:
         devices = topology_devices(topology)
@@ -134,11 +133,8 @@ def size_for_topology(target_config, draft_config, *, topology: str, tp: int = 1
     if tp > len(devices):
         raise ValueError(f"tp {tp} needs {tp} devices; {topology} has {len(devices)}")
     device = devices[0]
-    with jax.default_device(device):
-        info = pltpu.get_tpu_info()
-    hbm = info.hbm_capacity_bytes * info.num_cores
-    bandwidth = info.mem_bw_bytes_per_second * info.num_cores
-    peak_flops = info.bf16_ops_per_second * info.num_cores
+    chip = chip_figures(device)
+    hbm, bandwidth, peak_flops = chip["hbm_bytes"], chip["bandwidth_bytes_per_s"], chip["matmul_flops_per_s"]
 
     mesh_tp = None
     if tp > 1:

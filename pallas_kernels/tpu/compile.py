@@ -27,3 +27,15 @@ def compile_for(device, fn, *shapes):
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
     with jax.default_device(device):
         return jax.jit(fn).lower(*structs).compile()
+
+
+def chip_figures(device) -> dict:
+    """One chip of a TPU ``device``'s kind, as libtpu reports it (per TensorCore, times its
+    cores): HBM bytes, HBM bytes/s and bf16 FLOP/s."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    with jax.default_device(device):
+        info = pltpu.get_tpu_info()
+    return {"kind": device.device_kind, "hbm_bytes": info.hbm_capacity_bytes * info.num_cores,
+            "bandwidth_bytes_per_s": info.mem_bw_bytes_per_second * info.num_cores,
+            "matmul_flops_per_s": info.bf16_ops_per_second * info.num_cores}
