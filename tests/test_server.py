@@ -6,6 +6,7 @@ a user starts and stops it."""
 import concurrent.futures
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,11 +52,11 @@ def _free_port() -> int:
 class _Server(BackgroundServer):
     """The app over an engine in this process, with the tests' clients."""
 
-    def __init__(self, engine: Engine):
-        super().__init__(engine, MODEL)
+    def __init__(self, engine: Engine, api_key: str | None = None):
+        super().__init__(engine, MODEL, api_key=api_key)
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=600)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics").text
@@ -229,6 +230,63 @@ def test_a_full_queue_answers_503(models):
         assert codes[0] == 200 and codes[-1] == 503, codes
         refused = next(a for a in answers if a.status_code == 503).json()["error"]
         assert "queue is full" in refused["message"] and refused["code"] == 503
+
+
+def test_an_api_key_guards_every_route_but_health(models):
+    """With an API key, a request without ``Authorization: Bearer <key>`` is refused with OpenAI's
+    401 (its message says whether the header was missing or the key wrong, and never repeats the
+    key given), on every route but /health, an unknown one included; with the key, completions
+    answer whole and streamed."""
+    key = "sk-test-0123456789"
+    required = "a valid API key is required: Authorization: Bearer <key> "
+    with _Server(_engine(models), api_key=key) as running:
+        with pytest.raises(openai.AuthenticationError) as missing:
+            running.client().models.list(extra_headers={"Authorization": openai.omit})
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            running.client("sk-wrong-key").completions.create(model=MODEL, prompt="def", max_tokens=4)
+        for refused, why in [(missing, "(the request has no Authorization header)"),
+                             (wrong, "(the request's key is wrong)")]:
+            assert refused.value.status_code == 401
+            assert refused.value.response.json() == {"error": {"message": required + why,
+                                                               "type": "AuthenticationError", "param": None,
+                                                               "code": 401}}
+            assert refused.value.response.headers["www-authenticate"] == "Bearer"
+        assert "sk-wrong-key" not in wrong.value.response.text
+        not_bearer = httpx.get(running.url + "/v1/models", headers={"Authorization": f"Basic {key}"})
+        assert not_bearer.status_code == 401 and not_bearer.json()["error"]["message"] == \
+            required + "(the request's Authorization header is not a Bearer token)"
+
+        client = running.client(key)
+        answer = client.completions.create(model=MODEL, prompt="def", max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens == 4
+        streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=4, temperature=0, stream=True)
+        assert [chunk.choices[0].finish_reason for chunk in streamed][-1] in ("stop", "length")
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+        signed = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(running.url + "/health").status_code == 200
+        for path, status_with_the_key in [("/metrics", 200), ("/v1/nothing", 404)]:
+            assert httpx.get(running.url + path).status_code == 401, path
+            assert httpx.get(running.url + path, headers=signed).status_code == status_with_the_key, path
+
+
+def test_the_api_key_is_the_flag_else_the_environment_variable():
+    """``serve`` takes --api-key, else $DFLASH_API_KEY, else no key; an empty key, or one an HTTP
+    header cannot carry as it is, stops it with an error naming where the key came from."""
+    from dflash_jax.entrypoints.arguments import serve_parser
+    from dflash_jax.entrypoints.serve import resolve_api_key
+
+    flag = serve_parser().parse_args(["--api-key", "from-the-flag"]).api_key
+    assert serve_parser().parse_args([]).api_key is None
+    assert resolve_api_key(flag, {"DFLASH_API_KEY": "from-the-environment"}) == "from-the-flag"
+    assert resolve_api_key(None, {"DFLASH_API_KEY": "from-the-environment"}) == "from-the-environment"
+    assert resolve_api_key(None, {}) is None
+    for given, environ, source in [("", {}, "--api-key"), ("two words", {}, "--api-key"),
+                                   (None, {"DFLASH_API_KEY": ""}, "$DFLASH_API_KEY"),
+                                   (None, {"DFLASH_API_KEY": "clé"}, "$DFLASH_API_KEY")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(source)} must be a non-empty key of printable ASCII"):
+            resolve_api_key(given, environ)
 
 
 def test_serve_command_answers_and_stops_on_sigterm(model_dirs):

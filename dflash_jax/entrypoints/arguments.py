@@ -20,6 +20,7 @@ from dflash_jax.entrypoints.cli import (COMPILE_CACHE_HELP, DTYPE_DEFAULT_HELP, 
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 DEFAULT_MODEL_NAME = "dflash-jax-default"  # what the server calls the embedded pair
+API_KEY_VARIABLE = "DFLASH_API_KEY"  # the server's API key when --api-key is not given
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 DTYPE_NAMES = ("bfloat16", "float32", "float16")
 MXFP4_CHOICES = ("auto", "keep", "dequantize")
@@ -159,6 +160,10 @@ def serve_parser() -> argparse.ArgumentParser:
                                    "embedded model's draft)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=at_least(1), default=8000, help="port to bind")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="every route but /health then needs the header Authorization: Bearer KEY (401 "
+                        f"otherwise); printable ASCII without spaces (default: ${API_KEY_VARIABLE}; unset: no key "
+                        "needed)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the target folder's name; "
                                                f"{DEFAULT_MODEL_NAME} for the embedded model)")
     p.add_argument("--max-num-seqs", type=at_least(1),

@@ -3,6 +3,7 @@
     python -m dflash_jax.serve --target /path/to/Qwen3-8B --draft /path/to/Qwen3-8B-DFlash-b16
 
 Without --target it serves the embedded default pair. Binds 127.0.0.1:8000 unless told otherwise.
+With --api-key (or $DFLASH_API_KEY) every route but /health needs ``Authorization: Bearer <key>``.
 SIGTERM or Ctrl-C stops accepting requests, lets the running ones finish (up to
 --shutdown-timeout seconds) and exits 0. The flags are ``arguments.serve_parser``'s; ``main``
 parses them and ``run`` runs them.
@@ -11,15 +12,17 @@ parses them and ``run`` runs them.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 
-from dflash_jax.entrypoints.arguments import (CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, DEFAULT_MODEL, DEFAULT_MODEL_NAME,
-                                              MAX_NUM_SEQS, serve_parser)
+from dflash_jax.entrypoints.arguments import (API_KEY_VARIABLE, CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, DEFAULT_MODEL,
+                                              DEFAULT_MODEL_NAME, MAX_NUM_SEQS, serve_parser)
 from dflash_jax.entrypoints.cli import default_dtype, exit_with, keep_compiled_programs, one_line_warnings
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.loading.tokenizer import Tokenizer
@@ -38,6 +41,16 @@ def _log_to_stderr(level_name: str) -> None:
     if jax.config.jax_logging_level in (None, "NOTSET"):
         for name in ("jax", "jaxlib"):
             logging.getLogger(name).setLevel(level if level == logging.DEBUG else max(level, logging.WARNING))
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key requests must carry: --api-key's value ``flag``, else $DFLASH_API_KEY in
+    ``environ``; None when neither is set. ValueError, naming which of the two, for a key that is
+    empty or not printable ASCII without spaces (what an Authorization header carries as it is)."""
+    key, source = (flag, "--api-key") if flag is not None else (environ.get(API_KEY_VARIABLE), f"${API_KEY_VARIABLE}")
+    if key is not None and not (key and all("!" <= character <= "~" for character in key)):
+        raise ValueError(f"{source} must be a non-empty key of printable ASCII without spaces")
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +75,7 @@ def run(args) -> int:
     if target_dir is None:
         target_dir, draft_dir = DEFAULT_MODEL / "target", draft_dir or DEFAULT_MODEL / "draft"
     try:
+        api_key = resolve_api_key(args.api_key, os.environ)
         target_config = load_target_config(target_dir)
         if draft_dir:
             try:
@@ -97,10 +111,14 @@ def run(args) -> int:
     print("compiling the engine's programs (kept for later starts: --compile-cache)...", file=sys.stderr)
     programs = engine.warmup()
     print(f"{programs} programs ready in {time.monotonic() - start:.1f} s", file=sys.stderr)
-    app = create_app(engine, name)
+    app = create_app(engine, name, api_key=api_key)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (target {target_dir}"
           + (f", draft {draft_dir}" if draft_dir else ", no draft") + f", {dtype}; {max_num_seqs} requests at a time, "
           f"up to {engine.max_model_len} tokens each: --max-num-seqs, --max-model-len)", file=sys.stderr)
+    if api_key is not None:
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_VARIABLE}"
+        print(f"every route but /health needs the API key of {source} (Authorization: Bearer <key>)",
+              file=sys.stderr)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the handler found before
     # it: this one, so that a requested stop exits 0 rather than by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -5,15 +5,17 @@ The engine steps in its own thread; each HTTP request submits its prompts x n sa
 reads their outputs through an asyncio queue fed from that thread. A client that disconnects
 mid-stream cancels its requests (their pages are freed at the engine's next step). Every error
 is OpenAI's JSON shape: 400 for a body that is not a JSON object and for bad or unsupported
-parameters (naming them and what they take), 404 for an unknown model or route, 405 for a route's
-wrong method, 503 when the queue is full or the server is stopping. One log line per request, as
-it finishes or is cancelled.
+parameters (naming them and what they take), 401 for a request without the server's API key when
+it has one (every route but /health), 404 for an unknown model or route, 405 for a route's wrong
+method, 503 when the queue is full or the server is stopping. One log line per request, as it
+finishes or is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -43,10 +45,42 @@ class APIError(Exception):
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
             503: "ServiceUnavailableError"}.get(status, "APIError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status, headers=headers)
+
+
+def _authorization_refusal(authorization: bytes | None, api_key: bytes) -> str | None:
+    """Why the Authorization header ``authorization`` (None: no such header) does not carry
+    ``api_key`` as a Bearer token, or None when it does. The keys are compared in constant time,
+    and the message never repeats the key given."""
+    required = "a valid API key is required: Authorization: Bearer <key>"
+    if authorization is None:
+        return f"{required} (the request has no Authorization header)"
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return f"{required} (the request's Authorization header is not a Bearer token)"
+    if not hmac.compare_digest(token.strip(), api_key):
+        return f"{required} (the request's key is wrong)"
+    return None
+
+
+class _RequireAPIKey:
+    """ASGI middleware: an HTTP request to any path but /health needs ``Authorization: Bearer
+    <api_key>`` and is otherwise answered 401 before any route sees it (so an unknown route is a
+    401 too: its 404 lists the routes, which only a client with the key reads)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            refusal = _authorization_refusal(dict(scope["headers"]).get(b"authorization"), self.api_key)
+            if refusal is not None:
+                response = _error(401, refusal, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _Sampling(BaseModel):
@@ -195,9 +229,10 @@ class Metrics(prometheus_client.registry.Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV pages in use", engine.pages_in_use / engine.num_pages)
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -> FastAPI:
     """The app over a started or not yet started ``engine`` (the app's lifespan starts it and,
-    at shutdown, lets running requests finish)."""
+    at shutdown, lets running requests finish); with ``api_key``, every route but /health needs
+    ``Authorization: Bearer <api_key>``."""
     metrics = Metrics(engine, model_name)
 
     @contextlib.asynccontextmanager
@@ -207,6 +242,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         await asyncio.to_thread(engine.stop, drain=True, timeout=60)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan)
+    if api_key is not None:
+        app.add_middleware(_RequireAPIKey, api_key=api_key)
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
 
     @app.exception_handler(RequestValidationError)
@@ -478,11 +515,11 @@ async def _stream(engine: Engine, http: Request, queue: asyncio.Queue, requests,
 
 
 class BackgroundServer:
-    """``create_app(engine, model_name)`` served by uvicorn in a thread of this process, on
-    ``host`` and a free port (tests, benchmarks, notebooks): ``with BackgroundServer(...) as
-    server: server.url``. Leaves Python's logging alone."""
+    """``create_app(engine, model_name, api_key=api_key)`` served by uvicorn in a thread of this
+    process, on ``host`` and a free port (tests, benchmarks, notebooks): ``with
+    BackgroundServer(...) as server: server.url``. Leaves Python's logging alone."""
 
-    def __init__(self, engine: Engine, model_name: str, host: str = "127.0.0.1"):
+    def __init__(self, engine: Engine, model_name: str, host: str = "127.0.0.1", *, api_key: str | None = None):
         import socket
         import threading
 
@@ -492,8 +529,8 @@ class BackgroundServer:
             probe.bind((host, 0))
             self.port = probe.getsockname()[1]
         self.engine, self.url = engine, f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host=host, port=self.port,
-                                                     log_config=None))
+        app = create_app(engine, model_name, api_key=api_key)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_config=None))
         self._thread = threading.Thread(target=self._server.run, name="dflash-http", daemon=True)
 
     def __enter__(self) -> "BackgroundServer":
