@@ -58,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="baseline,dflash", help="comma list of baseline, dflash")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--chunk-steps", type=positive_int, default=8)
+    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
+                   help="the DFlash runs' policy (the server's default: adaptive)")
+    p.add_argument("--max-num-seqs", type=positive_int,
+                   help="the servers' slots (default: the concurrency of the row)")
     p.add_argument("--skip-offline", action="store_true", help="no offline-engine rows")
     p.add_argument("--soak-seconds", type=float, default=0.0)
     p.add_argument("--soak-concurrency", type=positive_int, default=64)
@@ -140,14 +144,16 @@ def summarize(records: list[dict], wall: float, stats) -> dict:
             "ttft_p99_ms": 1e3 * _percentile([r["ttft"] for r in records], 99),
             "tpot_ms": 1e3 * statistics.fmean(r["tpot"] for r in records),
             "itl_p99_ms": 1e3 * _percentile(itl, 99),
-            "tau": 1 + stats.num_accepted_tokens / drafts if drafts else None}
+            "tau": 1 + stats.num_accepted_tokens / drafts if drafts else None,
+            "verified": 1 + stats.num_draft_tokens / drafts if drafts else None}
 
 
 def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) -> dict:
     """The same prompts through an engine stepped in this thread (no HTTP): tok/s over the wall
     time less compilation."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=args.prompt_len + args.max_tokens,
-                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, accept_replay=alpha)
+                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, accept_replay=alpha,
+                    speculative_policy=args.speculative_policy)
     params = RequestParams(max_tokens=args.max_tokens, ignore_eos=True)
     start = time.monotonic()
     for prompt in prompts:
@@ -160,12 +166,13 @@ def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) ->
 
 def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
     """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does)."""
-    engine = Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=args.prompt_len + args.max_tokens,
+    engine = Engine(target, draft, tokenizer, max_num_seqs=args.max_num_seqs or slots,
+                    max_model_len=args.prompt_len + args.max_tokens,
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
-                    max_waiting=100000, accept_replay=alpha)
+                    max_waiting=100000, accept_replay=alpha, speculative_policy=args.speculative_policy)
     start = time.monotonic()
     programs = engine.warmup(prompt_lengths=[args.prompt_len])
-    print(f"  {slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "
+    print(f"  {engine.slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "
           f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return engine
 
@@ -211,11 +218,12 @@ def main(argv=None) -> int:
                 with BackgroundServer(engine, MODEL) as server:
                     url = server.url
                     drive_elsewhere(clients, url, prompts[:c], c, args.max_tokens)        # not timed
-                    stats_before = server.engine.stats.num_drafts, server.engine.stats.num_accepted_tokens
+                    counted = ("num_drafts", "num_accepted_tokens", "num_draft_tokens")
+                    stats_before = {name: getattr(server.engine.stats, name) for name in counted}
                     records, wall = drive_elsewhere(clients, url, prompts, c, args.max_tokens)
                     stats = server.engine.stats
-                    stats.num_drafts -= stats_before[0]
-                    stats.num_accepted_tokens -= stats_before[1]
+                    for name in counted:
+                        setattr(stats, name, getattr(stats, name) - stats_before[name])
                     row = {"concurrency": c, "mode": mode, **summarize(records, wall, stats)}
                 if not args.skip_offline:
                     offline(target, use_draft, tokenizer, prompts[:c], c, args, alpha)    # compiles; not timed
@@ -240,7 +248,7 @@ def table(report: dict) -> str:
     lines = [f"{report['device']} | jax {report['jax']} | {report['date']} | {report['settings']['shape']} | "
              f"prompt {report['settings']['prompt_len']}, max_tokens {report['settings']['max_tokens']}, "
              f"alpha {report['settings']['alpha']}",
-             "  c  mode      tok/s   offline  srv/off  TTFT p50  p99 ms   TPOT ms  ITL p99   tau  speedup"]
+             "  c  mode      tok/s   offline  srv/off  TTFT p50  p99 ms   TPOT ms  ITL p99   tau  width  speedup"]
     base = {r["concurrency"]: r["output_tok_s"] for r in report["rows"] if r["mode"] == "baseline"}
     for r in report["rows"]:
         speedup = r["output_tok_s"] / base[r["concurrency"]] if r["mode"] == "dflash" and r["concurrency"] in base \
@@ -249,6 +257,7 @@ def table(report: dict) -> str:
                      f"{r.get('offline_tok_s', float('nan')):>9.1f} {r.get('server_over_offline', float('nan')):>8.2f} "
                      f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {r['tpot_ms']:>9.2f} {r['itl_p99_ms']:>8.1f} "
                      f"{r['tau'] if r['tau'] is not None else float('nan'):>5.2f} "
+                     f"{r.get('verified') or float('nan'):>6.2f} "
                      + (f"{speedup:.2f}x" if speedup else ""))
     if "soak" in report:
         s = report["soak"]

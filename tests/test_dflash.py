@@ -240,11 +240,13 @@ def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, bas
     from dflash_jax.runtime.decode import ChunkOutput
     from dflash_jax.runtime.engine import device
 
-    def stuck(target, draft, state, seen, seen_steps, replay_alpha, *, config, num_steps, steps_per_check):
-        rows = state.done.shape[0]
-        return state, ChunkOutput(tokens=jnp.zeros((rows, 2 * num_steps * config.block_size + 1), jnp.int32),
-                                  num_generated=state.num_generated, done=state.done, steps=state.steps,
-                                  accept_lengths=jnp.zeros((rows, 2 * num_steps), jnp.int32))
+    def stuck(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs, *, config, num_steps,
+              steps_per_check):
+        count, of = rows.shape[0], lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
+        return state, ChunkOutput(tokens=jnp.zeros((count, 2 * num_steps * config.block_size + 1), jnp.int32),
+                                  num_generated=of(state.num_generated), done=of(state.done), steps=of(state.steps),
+                                  accept_lengths=jnp.zeros((count, 2 * num_steps), jnp.int32),
+                                  verified=jnp.zeros((count, 2 * num_steps), jnp.int32))
 
     monkeypatch.setattr(device, "engine_chunk", stuck)
     prompts, _ = baseline

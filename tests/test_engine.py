@@ -7,6 +7,7 @@ import itertools
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -257,7 +258,7 @@ def test_warmup_compiles_what_requests_run(spec_pair, compilations):
     nothing more; the first token arrives with the prefill, before any decode chunk."""
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8,
                     prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
-    assert engine.warmup() == 8   # prefill: 1 or 2 rows x 16 or 64 tokens; admit, grow, release; the decode chunk
+    assert engine.warmup() == 10   # prefill: 1 or 2 rows x 16 or 64 tokens; admit, grow, release; decode: 1, 2, 3 rows
     with compilations() as compiled:
         requests, outputs = _run(engine, _prompts(5, seed=41, longest=90), RequestParams(max_tokens=6))
     assert [name for name in compiled if any(step in name for step in ENGINE_PROGRAMS)] == []
@@ -270,7 +271,7 @@ def test_warmup_for_given_prompt_lengths_compiles_only_their_shapes(spec_pair, c
     nothing more."""
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=128, page_size=8,
                     prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
-    assert engine.warmup(prompt_lengths=[90]) == 6   # prefill: 1 or 2 rows x 64 tokens; 3 slot updates; decode
+    assert engine.warmup(prompt_lengths=[90]) == 8   # prefill: 1 or 2 rows x 64 tokens; 3 slot updates; 3 decodes
     rng = np.random.default_rng(7)
     with compilations() as compiled:
         _run(engine, [rng.integers(1, 120, size=90).tolist() for _ in range(3)], RequestParams(max_tokens=6))
@@ -363,3 +364,52 @@ def test_request_keys_are_each_requests_own_key():
                                ([r[0] for r in rows], [r[1] or 0 for r in rows], [r[2] for r in rows]))
     keys = request_keys(engine_key, numbers, seeds, np.asarray([r[1] is not None for r in rows]), indices)
     np.testing.assert_array_equal(jax.random.key_data(keys), np.stack([one(*row) for row in rows]))
+
+
+def test_adaptive_verification_keeps_greedy_tokens(spec_pair):
+    """The adaptive policy: a step's time measured for each row bucket and width; then, with
+    costs under which the best width follows each step's expected tokens, every request's
+    greedy tokens equal those decoded alone with the whole block, several widths are verified,
+    and the per-position counters add up."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8, prefill_chunk=16,
+                    chunk_steps=4, num_pages=40, impl="reference", speculative_policy="adaptive")
+    assert engine.config.widths == (2, 4, 8, 16)
+    measured = engine.device.calibrate(context=24, repeats=1)
+    assert sorted(measured) == [1, 2, 3] and all(np.all(np.isfinite(c)) and np.all(c > 0) for c in measured.values())
+    engine.device.step_costs = {rows: np.asarray([1.0, 1.5, 2.0, 2.5]) for rows in measured}
+    prompts = _prompts(5, seed=17)
+    max_tokens = [40, 12, 33, 1, 24]
+    requests, _ = _run(engine, prompts, [RequestParams(max_tokens=m) for m in max_tokens])
+    for prompt, m, request in zip(prompts, max_tokens, requests):
+        assert request.token_ids == _alone(spec_pair.target, prompt, m, spec_pair.draft)
+    stats = engine.stats
+    assert len({n for n in stats.verified_per_position if n}) > 1          # not every step the same width
+    assert sum(stats.verified_per_position) == stats.num_draft_tokens
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert all(a <= r <= v for a, r, v in zip(stats.accepted_per_position, stats.reached_per_position,
+                                               stats.verified_per_position))
+    _check_idle(engine)
+
+
+def test_the_adaptive_width_follows_expected_tokens_per_second():
+    """``choose_width``: every draft accepted and costs growing slower than the block: the widest;
+    nothing accepted: the narrowest; a width ruled out by an infinite cost is never chosen; a row
+    with one token left counts only its bonus; done rows count nothing."""
+    from types import SimpleNamespace
+
+    from dflash_jax.runtime.decode import choose_width, expected_tokens
+
+    def state(acceptance, remaining=(100, 100), done=(False, False)):
+        rows = len(remaining)
+        return SimpleNamespace(acceptance=jnp.full((rows, 15), acceptance, jnp.float32),
+                               max_new_tokens=jnp.asarray(remaining, jnp.int32), num_generated=jnp.zeros(rows, jnp.int32),
+                               done=jnp.asarray(done))
+
+    widths, costs = (2, 4, 8, 16), jnp.asarray([1.0, 1.2, 1.5, 2.0])
+    assert int(choose_width(state(1.0), costs, widths)) == 3
+    assert int(choose_width(state(0.0), costs, widths)) == 0
+    assert int(choose_width(state(1.0), costs.at[3].set(jnp.inf), widths)) == 2
+    np.testing.assert_allclose(expected_tokens(state(1.0, remaining=(1, 100)), widths), [3, 5, 9, 17])
+    np.testing.assert_allclose(expected_tokens(state(0.5, done=(True, False)), widths),
+                               [1.5, 1.875, 1 + sum(0.5 ** i for i in range(1, 8)), 1 + sum(0.5 ** i for i in range(1, 16))],
+                               rtol=1e-6)

@@ -65,7 +65,8 @@ class _Server(BackgroundServer):
 
 def _engine(models, with_draft=True, **kwargs) -> Engine:
     target, draft, tokenizer = models
-    settings = dict(max_num_seqs=4, max_model_len=160, page_size=8, chunk_steps=4, prefill_chunk=32, impl="reference")
+    settings = dict(max_num_seqs=4, max_model_len=160, page_size=8, chunk_steps=4, prefill_chunk=32, impl="reference",
+                    speculative_policy="adaptive" if with_draft else "fixed")   # the server's default
     return Engine(target, draft if with_draft else None, tokenizer, **{**settings, **kwargs})
 
 
@@ -166,8 +167,11 @@ def test_models_health_and_metrics(server):
     server.client().completions.create(model=MODEL, prompt="def", max_tokens=8, temperature=0)
     for name in ("dflash:prompt_tokens_total", "dflash:generation_tokens_total", "dflash:spec_decode_num_drafts_total",
                  "dflash:spec_decode_num_draft_tokens_total", "dflash:time_to_first_token_seconds_count",
-                 "dflash:e2e_request_latency_seconds_count"):
+                 "dflash:e2e_request_latency_seconds_count", "dflash:spec_decode_num_verified_tokens_per_pos_total"):
         assert server.metric(name) > 0, name
+    stats = server.engine.stats
+    assert server.metric("dflash:spec_decode_num_verified_tokens_per_pos_total") == stats.num_draft_tokens
+    assert server.metric("dflash:spec_decode_num_accepted_tokens_per_pos_total") == stats.num_accepted_tokens
     assert server.metric("dflash:kv_cache_pages_total") == server.engine.num_pages
 
 

@@ -102,7 +102,7 @@ def run(args) -> int:
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,
                         chunk_steps=args.chunk_steps, prefill_chunk=args.prefill_chunk,
                         max_waiting=args.max_waiting, impl=args.impl, seed=args.seed,
-                        accept_replay=args.accept_replay)
+                        accept_replay=args.accept_replay, speculative_policy=args.speculative_policy)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

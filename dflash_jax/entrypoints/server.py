@@ -214,7 +214,7 @@ class Metrics(prometheus_client.registry.Collector):
         yield counter("prompt_tokens", "Prompt tokens prefilled", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated", stats.generation_tokens)
         yield counter("spec_decode_num_drafts", "DFlash steps (drafts verified)", stats.num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_draft_tokens)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens)
         per_position = CounterMetricFamily("dflash:spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted at each block position",
@@ -222,6 +222,12 @@ class Metrics(prometheus_client.registry.Collector):
         for position, count in enumerate(stats.accepted_per_position):
             per_position.add_metric([self.model, str(position)], count)
         yield per_position
+        verified = CounterMetricFamily("dflash:spec_decode_num_verified_tokens_per_pos",
+                                       "Draft tokens verified at each block position (the adaptive policy verifies "
+                                       "fewer at high load)", labels=["model_name", "position"])
+        for position, count in enumerate(stats.verified_per_position):
+            verified.add_metric([self.model, str(position)], count)
+        yield verified
         yield gauge("num_requests_running", "Requests holding a slot", engine.num_running)
         yield gauge("num_requests_waiting", "Requests queued", engine.num_waiting)
         yield gauge("kv_cache_pages_used", "KV pages in use", engine.pages_in_use)

@@ -50,7 +50,10 @@ class LoopConfig:
     accepted independently with probability ``replay_alpha`` (a run-time argument of
     ``engine_chunk``, so one compile serves every alpha), up to the first rejection.
     ``tensor_parallel``: the models are split over its mesh; prefill and chunk then run as one
-    ``shard_map`` program each, every device on its slices with the ``local`` configs."""
+    ``shard_map`` program each, every device on its slices with the ``local`` configs.
+    ``adaptive``: each step verifies a block of one of ``widths`` (2, 4, 8, ... up to
+    ``block_size``), the one with the most expected tokens per second for the rows running
+    (``choose_width``); else every step verifies ``block_size``."""
 
     target: ModelConfig
     draft: DraftConfig | None
@@ -58,6 +61,7 @@ class LoopConfig:
     impl: str = "auto"
     accept_replay: bool = False
     tensor_parallel: TensorParallel | None = None
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.draft is None and self.block_size != 1:
@@ -65,6 +69,17 @@ class LoopConfig:
         if self.draft is not None and not 2 <= self.block_size <= self.draft.block_size:
             raise ValueError(f"block_size must be in [2, {self.draft.block_size}] (the draft's "
                              f"trained block size), got {self.block_size}")
+        if self.adaptive and self.draft is None:
+            raise ValueError("adaptive verification needs a draft")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The block widths a step may verify: ``block_size`` alone, or (adaptive) the powers of
+        two from 2 below it and itself. Every width verifies at least one draft token, so the
+        draft keeps running for every request."""
+        if not self.adaptive:
+            return (self.block_size,)
+        return tuple(w for w in (2, 4, 8, 16, 32, 64) if w < self.block_size) + (self.block_size,)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -91,7 +106,10 @@ class DecodeState:
     sampling: ``SamplingRows``, one setting per row ([B]).
     cache: the cache; ``cache.lengths`` counts tokens the target has committed.
     steps: [B] speculation steps taken; accept_lengths: [B, M] tokens emitted per step (each
-        step emits at least one).
+        step emits at least one); verified: [B, M] draft tokens verified per step.
+    acceptance: [B, D] f32 (D = block_size - 1) the row's estimate, at each draft position, of
+        the chance the draft token there is accepted when all before it were: a moving average
+        of its own steps, started from the engine's running rates (``admit_slots``).
     key: [B] a PRNG key per row; iteration: scalar loop iterations run.
     logprobs: None, or the target's log-probabilities of the emitted tokens, kept beside
         ``tokens`` (``TokenLogprobs``; its top-k width is static).
@@ -107,6 +125,8 @@ class DecodeState:
     cache: PagedKVCache
     steps: jax.Array
     accept_lengths: jax.Array
+    verified: jax.Array
+    acceptance: jax.Array
     key: jax.Array
     iteration: jax.Array
     logprobs: "TokenLogprobs | None" = None
@@ -170,10 +190,10 @@ def _prompt_chunk(target: TargetParams, draft: DraftParams | None, config: LoopC
 
 
 def _propose(target: TargetParams, draft: DraftParams, state: DecodeState, block_lens: jax.Array,
-             key: jax.Array, config: LoopConfig) -> tuple[jax.Array, jax.Array | None]:
-    """Draft tokens [B, block-1] (and their probabilities when sampling)."""
+             key: jax.Array, config: LoopConfig, width: int) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens [B, width-1] (and their probabilities when sampling)."""
     batch = state.last_token.shape[0]
-    masks = jnp.full((batch, config.block_size - 1), config.draft.mask_token_id, jnp.int32)
+    masks = jnp.full((batch, width - 1), config.draft.mask_token_id, jnp.int32)
     block = jnp.concatenate([state.last_token[:, None], masks], axis=1)
     vocab_axis = config.target.tensor_axis
     hidden = draft_model.block_hidden(draft, config.draft, target, block, state.cache, block_lens, impl=config.impl,
@@ -210,23 +230,29 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
                            vocab_axis)
 
 
+ACCEPTANCE_RATE = 0.125   # weight of a step's outcome in a row's moving acceptance estimate
+
+
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
                 config: LoopConfig, replay_alpha: jax.Array | None = None,
-                context_kv_proj: tuple[jax.Array, ...] | None = None) -> DecodeState:
-    """One speculation step (draft, verify, accept, commit) for every unfinished sequence.
-    ``context_kv_proj``: ``draft_model.context_kv_proj(draft)``, made once outside the loop."""
+                context_kv_proj: tuple[jax.Array, ...] | None = None, width: int | None = None) -> DecodeState:
+    """One speculation step (draft, verify, accept, commit) for every unfinished sequence, on a
+    block of ``width`` tokens (default ``config.block_size``; verifying a shorter block is
+    exact: the accept rule only ever looks at a prefix). ``context_kv_proj``:
+    ``draft_model.context_kv_proj(draft)``, made once outside the loop."""
+    width = config.block_size if width is None else width
     cache = state.cache
     start = cache.lengths
     active = ~state.done
     remaining = state.max_new_tokens - state.num_generated
     # A block never runs past max_new_tokens: the reference shortens its last blocks the same way.
-    block_lens = jnp.clip(remaining + 1, 1, config.block_size)
+    block_lens = jnp.clip(remaining + 1, 1, width)
     key, draft_key, accept_key = split_keys(state.key, 3)
 
     if config.draft is None:
         drafts, draft_probs = jnp.zeros((start.shape[0], 0), jnp.int32), None
     else:
-        drafts, draft_probs = _propose(target, draft, state, block_lens, draft_key, config)
+        drafts, draft_probs = _propose(target, draft, state, block_lens, draft_key, config, width)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     hidden, taps, cache = target_model.forward(target, config.target, block, start, cache,
                                                tap_layers=config.tap_layers, impl=config.impl)
@@ -235,7 +261,7 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
                               block_lens, state.sampling, config, replay_alpha)
 
     # Emitted run: the accepted drafts then the bonus; cut at max_new_tokens and stop tokens.
-    slots = jnp.arange(config.block_size)[None, :]
+    slots = jnp.arange(width)[None, :]
     emitted = jnp.where(slots < accepted[:, None], jnp.concatenate([drafts, bonus[:, None]], axis=1),
                         bonus[:, None])
     produced = jnp.minimum(accepted + 1, remaining)
@@ -258,11 +284,19 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
         logprobs = logprobs.write(state.num_generated, _logprobs_of(logits, emitted, logprobs,
                                                                      config.target.tensor_axis))
     last = jnp.take_along_axis(emitted, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
-    accept_lengths = state.accept_lengths.at[jnp.arange(start.shape[0]), state.steps].set(produced, mode="drop")
+    rows = jnp.arange(start.shape[0])
+    accept_lengths = state.accept_lengths.at[rows, state.steps].set(produced, mode="drop")
+    verified = state.verified.at[rows, state.steps].set(jnp.where(active, block_lens - 1, 0), mode="drop")
+    # Each draft position tested (all before it accepted, within the row's block) moves the row's estimate.
+    positions = jnp.arange(state.acceptance.shape[1])[None, :]
+    tested = active[:, None] & (positions <= accepted[:, None]) & (positions < block_lens[:, None] - 1)
+    hit = (positions < accepted[:, None]).astype(jnp.float32)
+    acceptance = jnp.where(tested, state.acceptance + ACCEPTANCE_RATE * (hit - state.acceptance), state.acceptance)
     return state.replace(
         tokens=tokens, num_generated=num_generated, last_token=jnp.where(active, last, state.last_token),
         done=state.done | hit_stop | (num_generated >= state.max_new_tokens), cache=cache,
-        steps=state.steps + active.astype(jnp.int32), accept_lengths=accept_lengths,
+        steps=state.steps + active.astype(jnp.int32), accept_lengths=accept_lengths, verified=verified,
+        acceptance=acceptance,
         key=_advanced(key, state.key, active), logprobs=logprobs,
         iteration=state.iteration + 1)
 
@@ -289,9 +323,30 @@ def check_steps_per_check(num_steps: int, steps_per_check: int) -> None:
                          f"chunk (chunk_steps {num_steps})")
 
 
+def expected_tokens(state: DecodeState, widths: tuple[int, ...]) -> jax.Array:
+    """Tokens [len(widths)] the running rows are expected to emit in one step verifying each
+    width: per row 1 (the bonus) plus, at each draft position the block reaches (and the row's
+    remaining tokens allow), the chance all drafts through it are accepted (the product of the
+    row's ``acceptance``)."""
+    survive = jnp.cumprod(state.acceptance, axis=1)                        # [B, D]
+    remaining = state.max_new_tokens - state.num_generated
+    positions = jnp.arange(survive.shape[1])[None, :]
+    active = ~state.done
+    within = active[:, None] & (positions < remaining[:, None] - 1)
+    bonus = jnp.sum(active, dtype=jnp.float32)
+    return jnp.stack([bonus + jnp.sum(jnp.where(within & (positions < w - 1), survive, 0.0)) for w in widths])
+
+
+def choose_width(state: DecodeState, step_costs: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+    """The index into ``widths`` of the width with the most expected tokens per second for the
+    running rows (``expected_tokens`` / ``step_costs`` [len(widths)], a step's measured time
+    at each width for this many rows; an infinite cost rules a width out)."""
+    return jnp.argmax(expected_tokens(state, widths) / step_costs).astype(jnp.int32)
+
+
 def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
-                  replay_alpha: jax.Array | None, *, config: LoopConfig, num_steps: int,
-                  steps_per_check: int) -> DecodeState:
+                  replay_alpha: jax.Array | None, step_costs: jax.Array | None, *, config: LoopConfig,
+                  num_steps: int, steps_per_check: int) -> DecodeState:
     """Up to ``num_steps`` decode steps in one on-device loop; stops early once every sequence is
     done, looking every ``steps_per_check`` steps (which must divide ``num_steps``).
 
@@ -305,10 +360,16 @@ def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: Decode
         return (s.iteration < stop_at) & ~jnp.all(s.done)
 
     kv_proj = None if draft is None else draft_model.context_kv_proj(draft)
+    branches = [functools.partial(decode_step, target, draft, config=config, replay_alpha=replay_alpha,
+                                  context_kv_proj=kv_proj, width=width) for width in config.widths]
+
+    def step(s: DecodeState) -> DecodeState:
+        if len(branches) == 1:
+            return branches[0](s)
+        return jax.lax.switch(choose_width(s, step_costs, config.widths), branches, s)
 
     def steps(s: DecodeState) -> DecodeState:
-        return jax.lax.fori_loop(0, steps_per_check,
-                                 lambda _, s: decode_step(target, draft, s, config, replay_alpha, kv_proj), s)
+        return jax.lax.fori_loop(0, steps_per_check, lambda _, s: step(s), s)
 
     return jax.lax.while_loop(running, steps, state)
 
@@ -322,17 +383,18 @@ def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: Decode
 
 @struct.dataclass
 class ChunkOutput:
-    """What the host reads after an engine chunk (B slots, W = steps x block tokens).
-    tokens: [B, 2W + 1] each slot's tokens from the count the host had read on; num_generated,
-    done, steps: [B] after the chunk; accept_lengths: [B, 2 steps] per-step emitted counts
-    from the steps the host had read on; logprobs: those of the tokens (when the state keeps
-    them)."""
+    """What the host reads after an engine chunk (R rows of the chunk, W = steps x block tokens).
+    tokens: [R, 2W + 1] each row's tokens from the count the host had read on; num_generated,
+    done, steps: [R] after the chunk; accept_lengths, verified: [R, 2 steps] per-step emitted
+    counts and draft tokens verified, from the steps the host had read on; logprobs: those of
+    the tokens (when the state keeps them)."""
 
     tokens: jax.Array
     num_generated: jax.Array
     done: jax.Array
     steps: jax.Array
     accept_lengths: jax.Array
+    verified: jax.Array
     logprobs: TokenLogprobs | None = None
 
 
@@ -348,11 +410,13 @@ def _take(full: jax.Array, slots: jax.Array, fill=0) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def admit_slots(state: DecodeState, slots: jax.Array, page_rows: jax.Array, max_new_tokens: jax.Array,
-                stop_tokens: jax.Array, sampling: SamplingRows, keys: jax.Array) -> DecodeState:
+                stop_tokens: jax.Array, sampling: SamplingRows, keys: jax.Array,
+                acceptance: jax.Array) -> DecodeState:
     """Give slots [R] to new requests: their page-table rows [R, W], max_new_tokens [R], stop
-    tokens [R, S], sampling settings (values [R]; the state keeps its static part) and PRNG keys
-    [R]; empty caches and counters. They read as done until ``prefill_slots`` has run their
-    last prompt token."""
+    tokens [R, S], sampling settings (values [R]; the state keeps its static part), PRNG keys
+    [R] and the acceptance estimate they start from [D] (the engine's running rates); empty
+    caches and counters. They read as done until ``prefill_slots`` has run their last prompt
+    token."""
     cache = state.cache
     zero = lambda pool: tuple(None if x is None else _put(x, slots, 0) for x in pool)  # noqa: E731
     cache = cache.replace(page_table=_put(cache.page_table, slots, page_rows),
@@ -364,7 +428,8 @@ def admit_slots(state: DecodeState, slots: jax.Array, page_rows: jax.Array, max_
                          num_generated=_put(state.num_generated, slots, 0),
                          max_new_tokens=_put(state.max_new_tokens, slots, max_new_tokens),
                          stop_tokens=_put(state.stop_tokens, slots, stop_tokens), sampling=values,
-                         steps=_put(state.steps, slots, 0), key=_put(state.key, slots, keys))
+                         steps=_put(state.steps, slots, 0), key=_put(state.key, slots, keys),
+                         acceptance=_put(state.acceptance, slots, acceptance))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -444,41 +509,82 @@ def _prefill_slots(target: TargetParams, draft: DraftParams | None, state: Decod
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "steps_per_check"), donate_argnames=("state",))
-def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, seen: jax.Array,
-                 seen_steps: jax.Array, replay_alpha: jax.Array | None = None, *, config: LoopConfig,
-                 num_steps: int, steps_per_check: int = 1) -> tuple[DecodeState, ChunkOutput]:
-    """Up to ``num_steps`` decode steps over the slots (``_decode_chunk``), then each slot's tokens
-    from ``seen`` [B] on (what the host has read; it may lag one chunk) and acceptance lengths
-    from ``seen_steps`` [B] on cut out on the device (``ChunkOutput``, 2 chunks + 1 tokens
-    wide): the host reads a few KB, not the buffers. ``replay_alpha`` (scalar) is required
-    exactly when ``config.accept_replay`` (benchmarks)."""
+def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
+                 seen: jax.Array, seen_steps: jax.Array, replay_alpha: jax.Array | None = None,
+                 step_costs: jax.Array | None = None, *, config: LoopConfig, num_steps: int,
+                 steps_per_check: int = 1) -> tuple[DecodeState, ChunkOutput]:
+    """Up to ``num_steps`` decode steps over the slots ``rows`` [R] (padding: a slot index >= B;
+    the chunk computes R rows, not B: an engine of many slots running few requests runs a
+    small program), then each row's tokens from ``seen`` [R] on (what the host has read; it
+    may lag one chunk) and acceptance lengths from ``seen_steps`` [R] on cut out on the device
+    (``ChunkOutput``, 2 chunks + 1 tokens wide): the host reads a few KB, not the buffers.
+    ``replay_alpha`` (scalar) is required exactly when ``config.accept_replay`` (benchmarks);
+    ``step_costs`` [len(config.widths)] exactly when ``config.adaptive``: a step's time at
+    each width for R rows (``choose_width``)."""
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
+    if config.adaptive != (step_costs is not None):
+        raise ValueError("step_costs must be given exactly when config.adaptive is set")
     check_steps_per_check(num_steps, steps_per_check)
     body = functools.partial(_engine_chunk, config=config if config.tensor_parallel is None else config.local(),
                              num_steps=num_steps, steps_per_check=steps_per_check)
     if config.tensor_parallel is None:
-        return body(target, draft, state, seen, seen_steps, replay_alpha)
+        return body(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs)
     specs_of_state = state_specs(state, config.tensor_parallel)
-    return _on_mesh(body, config, (target, draft, state, seen, seen_steps, replay_alpha),
-                    (*_param_specs(target, draft, config), specs_of_state, P(), P(),
-                     None if replay_alpha is None else P()),
-                    (specs_of_state, ChunkOutput(P(), P(), P(), P(), P(),
+    return _on_mesh(body, config, (target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs),
+                    (*_param_specs(target, draft, config), specs_of_state, P(), P(), P(),
+                     None if replay_alpha is None else P(), None if step_costs is None else P()),
+                    (specs_of_state, ChunkOutput(P(), P(), P(), P(), P(), P(),
                                                  None if state.logprobs is None else TokenLogprobs(P(), P(), P()))))
 
 
-def _engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, seen: jax.Array,
-                  seen_steps: jax.Array, replay_alpha: jax.Array | None, *, config: LoopConfig, num_steps: int,
+_ROW_FIELDS = ("tokens", "num_generated", "last_token", "max_new_tokens", "stop_tokens", "steps", "accept_lengths",
+               "verified", "acceptance", "key")
+
+
+def _gather_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """The state of slots ``rows`` [R] (over the same K/V pools); a padding row (index >= B) is
+    done, with the sentinel page row and no context, so it writes nothing."""
+    batch = state.done.shape[0]
+    clipped = jnp.clip(rows, 0, batch - 1)
+    cache = state.cache
+    pool = lambda x: tuple(None if p is None else _take(p, rows) for p in x)  # noqa: E731
+    sub = cache.replace(page_table=_take(cache.page_table, rows, cache.num_pages), lengths=_take(cache.lengths, rows),
+                        conv=pool(cache.conv), recurrent=pool(cache.recurrent))
+    taken = {name: getattr(state, name)[clipped] for name in _ROW_FIELDS}
+    logprobs = None if state.logprobs is None else jax.tree.map(lambda x: x[clipped], state.logprobs)
+    return state.replace(cache=sub, done=_take(state.done, rows, True), logprobs=logprobs,
+                         sampling=jax.tree.map(lambda x: x[clipped], state.sampling), **taken)
+
+
+def _scatter_rows(state: DecodeState, rows: jax.Array, sub: DecodeState) -> DecodeState:
+    """``state`` with slots ``rows`` [R] set from ``sub`` (``_gather_rows``'s, after steps);
+    padding rows write nothing."""
+    cache = state.cache
+    back = lambda full, part: tuple(None if x is None else _put(x, rows, y) for x, y in zip(full, part))  # noqa: E731
+    cache = cache.replace(k=sub.cache.k, v=sub.cache.v, lengths=_put(cache.lengths, rows, sub.cache.lengths),
+                          conv=back(cache.conv, sub.cache.conv), recurrent=back(cache.recurrent, sub.cache.recurrent))
+    logprobs = None if state.logprobs is None else jax.tree.map(lambda full, part: _put(full, rows, part),
+                                                                  state.logprobs, sub.logprobs)
+    put = {name: _put(getattr(state, name), rows, getattr(sub, name)) for name in _ROW_FIELDS}
+    return state.replace(cache=cache, done=_put(state.done, rows, sub.done), logprobs=logprobs,
+                         iteration=sub.iteration, **put)
+
+
+def _engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
+                  seen: jax.Array, seen_steps: jax.Array, replay_alpha: jax.Array | None,
+                  step_costs: jax.Array | None, *, config: LoopConfig, num_steps: int,
                   steps_per_check: int) -> tuple[DecodeState, ChunkOutput]:
-    state = _decode_chunk(target, draft, state, replay_alpha, config=config, num_steps=num_steps,
-                          steps_per_check=steps_per_check)
-    cut = lambda rows, starts, width: jax.vmap(  # noqa: E731
-        lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width))(rows, starts)
+    sub = _decode_chunk(target, draft, _gather_rows(state, rows), replay_alpha, step_costs, config=config,
+                        num_steps=num_steps, steps_per_check=steps_per_check)
+    cut = lambda values, starts, width: jax.vmap(  # noqa: E731
+        lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width))(values, starts)
     width = 2 * num_steps * config.block_size + 1
-    logprobs = None if state.logprobs is None else jax.tree.map(lambda x: cut(x, seen, width), state.logprobs)
-    return state, ChunkOutput(tokens=cut(state.tokens, seen, width), num_generated=state.num_generated,
-                              done=state.done, steps=state.steps,
-                              accept_lengths=cut(state.accept_lengths, seen_steps, 2 * num_steps), logprobs=logprobs)
+    logprobs = None if sub.logprobs is None else jax.tree.map(lambda x: cut(x, seen, width), sub.logprobs)
+    output = ChunkOutput(tokens=cut(sub.tokens, seen, width), num_generated=sub.num_generated, done=sub.done,
+                         steps=sub.steps, accept_lengths=cut(sub.accept_lengths, seen_steps, 2 * num_steps),
+                         verified=cut(sub.verified, seen_steps, 2 * num_steps), logprobs=logprobs)
+    return _scatter_rows(state, rows, sub), output
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -503,8 +609,8 @@ def state_specs(state: DecodeState, tensor_parallel: TensorParallel) -> DecodeSt
 def _state_specs(sampling: SamplingRows, cache, logprobs: TokenLogprobs | None = None) -> DecodeState:
     rep = P()
     return DecodeState(tokens=rep, num_generated=rep, last_token=rep, done=rep, max_new_tokens=rep, stop_tokens=rep,
-                       sampling=_replicated_specs(sampling), cache=cache, steps=rep, accept_lengths=rep, key=rep,
-                       iteration=rep, logprobs=None if logprobs is None else TokenLogprobs(rep, rep, rep))
+                       sampling=_replicated_specs(sampling), cache=cache, steps=rep, accept_lengths=rep, verified=rep,
+                       acceptance=rep, key=rep, iteration=rep, logprobs=None if logprobs is None else TokenLogprobs(rep, rep, rep))
 
 
 def _on_mesh(body, config: LoopConfig, args: tuple, in_specs: tuple, out_specs):

@@ -25,6 +25,7 @@ from dflash_jax.runtime.engine.scheduler import QueueFullError, Scheduler
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512   # prompt tokens a row runs per engine step, unless an engine is given another
+SPECULATIVE_POLICIES = ("fixed", "adaptive")
 
 
 class Engine:
@@ -38,7 +39,12 @@ class Engine:
     max_waiting: requests the queue holds before ``submit`` refuses; top_k_cap: the largest top_k
     a request may sample with; max_logprobs: the most top log-probabilities a request may ask
     for (computed only while a running request asks). accept_replay (benchmarks only): each draft
-    token is accepted with this probability instead of by the target (``decode.LoopConfig``)."""
+    token is accepted with this probability instead of by the target (``decode.LoopConfig``).
+    speculative_policy: "fixed" verifies the whole block every step; "adaptive" (with a draft)
+    verifies, each step, the block width (2, 4, 8, ... up to the block) with the most expected
+    tokens per second for the requests running, from each request's acceptance so far and a
+    step's time at each width measured on the device (``Device.calibrate``, at ``warmup`` or
+    before the first request): lossless either way."""
 
     def __init__(self, target: Target, draft: Draft | None = None, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_pages: int | None = None,
@@ -46,7 +52,7 @@ class Engine:
                  steps_per_check: int | None = None, prefill_chunk: int = PREFILL_CHUNK, prefill_rows: int = 8,
                  max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
-                 accept_replay: float | None = None):
+                 accept_replay: float | None = None, speculative_policy: str = "fixed"):
         config = target.config
         for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size), ("chunk_steps", chunk_steps),
                             ("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
@@ -62,11 +68,14 @@ class Engine:
         elif block_size not in (None, 1):
             raise ValueError("block_size needs a draft")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        if speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}, got {speculative_policy!r}")
         if accept_replay is not None and (draft is None or not 0 <= accept_replay <= 1):
             raise ValueError(f"accept_replay needs a draft and a probability in [0, 1], got {accept_replay}")
         self.config = LoopConfig(target=config, draft=None if draft is None else draft.config,
                                  block_size=1 if block_size is None else block_size, impl=impl,
-                                 accept_replay=accept_replay is not None, tensor_parallel=target.tensor_parallel)
+                                 accept_replay=accept_replay is not None, tensor_parallel=target.tensor_parallel,
+                                 adaptive=draft is not None and speculative_policy == "adaptive")
         local = self.config if target.tensor_parallel is None else self.config.local()
         check_kernel_shapes(impl, [local.target] + ([local.draft.model] if draft is not None else []), page_size,
                             self.config.block_size, target.params.embed.dtype.itemsize)
@@ -97,7 +106,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
-        self.stats = EngineStats(accepted_per_position=[0] * max(self.config.block_size - 1, 0))
+        positions = max(self.config.block_size - 1, 0)
+        self.stats = EngineStats(accepted_per_position=[0] * positions, verified_per_position=[0] * positions)
         self.scheduler = Scheduler(slots=max_num_seqs, num_pages=self.num_pages, page_size=page_size,
                                    block_size=self.config.block_size, max_waiting=max_waiting)
         self.output = OutputProcessor(tokenizer, self.eos_ids, self.stats, release=self._release,
@@ -199,9 +209,11 @@ class Engine:
                 for request in self.scheduler.take_cancelled():
                     self.output.finish(request, "abort")
                 self._free_released()
+                if self.has_work():
+                    self._calibrate_once()
                 admitted = self.scheduler.admit()
                 if admitted:
-                    self.device.admit(admitted, self.scheduler.running)
+                    self.device.admit(admitted, self.scheduler.running, self.output.acceptance_prior())
             if not self.has_work():
                 return False
             prefilled = self._prefill()
@@ -225,9 +237,10 @@ class Engine:
         if self._in_flight is not None:
             raise RuntimeError("prefill_waiting runs with no decode chunk in flight")
         with self._lock:
+            self._calibrate_once()
             admitted = self.scheduler.admit()
             if admitted:
-                self.device.admit(admitted, self.scheduler.running)
+                self.device.admit(admitted, self.scheduler.running, self.output.acceptance_prior())
         while prefilled := self._prefill():
             output, rows = prefilled
             self.output.first_tokens(self.device.read(output), rows)
@@ -291,13 +304,26 @@ class Engine:
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> int:
         """Compile what the first requests would otherwise wait for: the prefill shapes, the slot
-        updates (admit, grow, release) and the greedy decode chunk (``Device.warmup``). Returns
+        updates (admit, grow, release) and the greedy decode chunk of each row bucket
+        (``Device.warmup``); with the adaptive policy, measure the step costs. Returns
         the number of programs run. Before any request is submitted. ``prompt_lengths``: only the
         shapes prompts of these lengths use (a benchmark's fixed lengths); by default every
         shape."""
         if self.has_work():
             raise RuntimeError("warmup runs before the first request")
-        return self.device.warmup(prompt_lengths, rows=min(self.prefill_rows, self.slots))
+        programs = self.device.warmup(prompt_lengths, rows=min(self.prefill_rows, self.slots))
+        self._calibrate_once()
+        return programs
+
+    def _calibrate_once(self) -> None:
+        """With the adaptive policy, measure the step costs (``Device.calibrate``) before the
+        first request is admitted (it runs on the live state); nothing otherwise."""
+        if self.config.adaptive and self.device.step_costs is None:
+            if self.scheduler.running or self._in_flight is not None:
+                raise RuntimeError("the step costs are measured before any request is admitted")
+            log.info("measuring a decode step's time at each verify width %s (adaptive verification)",
+                     self.config.widths)
+            self.device.calibrate()
 
     # ------------------------------------------------------------------ internals
 

@@ -102,14 +102,23 @@ def empty_state(target: ModelConfig, draft_model: ModelConfig | None, dtype, key
                 stop_tokens=jnp.full((slots, stop_width), -1, jnp.int32),
                 sampling=sampling, steps=jnp.zeros((slots,), jnp.int32),
                 accept_lengths=jnp.zeros((slots, max_model_len + 2 * chunk_steps), jnp.int32),
+                verified=jnp.zeros((slots, max_model_len + 2 * chunk_steps), jnp.int32),
+                acceptance=jnp.zeros((slots, block_size - 1), jnp.float32),
                 key=jax.random.split(key, slots), iteration=jnp.zeros((), jnp.int32))
     return DecodeState(cache=cache, **replicated(rest, tensor_parallel))
+
+
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """The row counts a decode chunk is compiled for: powers of two below ``slots``, and
+    ``slots``; a chunk runs the smallest that holds the requests decoding."""
+    return tuple(sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)}))
 
 
 class Device:
     """The decode state of ``slots`` slots over a pool of ``num_pages`` pages, and the calls of
     the jitted programs on it (``decode``: admit_slots, set_page_rows, release_slots,
-    prefill_slots, engine_chunk)."""
+    prefill_slots, engine_chunk). With ``config.adaptive``, ``step_costs`` maps each row
+    bucket to a step's measured seconds at each verify width (``calibrate``)."""
 
     def __init__(self, target: Target, draft: Draft | None, config: LoopConfig, *, slots: int, num_pages: int,
                  page_size: int, pages_per_seq: int, max_model_len: int, chunk_steps: int, steps_per_check: int,
@@ -123,6 +132,8 @@ class Device:
         self._key = jax.random.key(seed)
         self.replay_alpha = None if accept_replay is None else replicated(jnp.float32(accept_replay),
                                                                          target.tensor_parallel)
+        self.row_buckets = row_buckets(slots)
+        self.step_costs: dict[int, np.ndarray] | None = None
         self.state = self.empty_state()
 
     @property
@@ -151,8 +162,9 @@ class Device:
         self.state = None                      # its buffers go before new ones are made
         self.state = self.empty_state()
 
-    def admit(self, admitted: list[Request], running: list[Request]) -> None:
-        """``admit_slots`` for the admitted requests (``running``: all those holding slots)."""
+    def admit(self, admitted: list[Request], running: list[Request], acceptance: np.ndarray) -> None:
+        """``admit_slots`` for the admitted requests (``running``: all those holding slots;
+        ``acceptance`` [block_size - 1]: the estimate they start from)."""
         pad = self.slots - len(admitted)
         settings = [r.params.sampling for r in admitted] + [SamplingConfig()] * pad
         keys = request_keys(self._key, np.asarray([r.number for r in admitted] + [0] * pad, np.uint32),
@@ -165,7 +177,7 @@ class Device:
             stops[row, :len(ids)] = ids
         inputs = (self._slot_rows(admitted), self._page_rows(admitted),
                   jnp.asarray([r.params.max_tokens for r in admitted] + [0] * pad, jnp.int32), jnp.asarray(stops),
-                  SamplingRows.stack(settings), keys)
+                  SamplingRows.stack(settings), keys, jnp.asarray(acceptance, jnp.float32))
         self.state = self._with_statics(admit_slots(self.state, *replicated(inputs, self.target.tensor_parallel)),
                                         running)
 
@@ -210,18 +222,81 @@ class Device:
                              *replicated((jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lens)),
                                          self.target.tensor_parallel), config=self.config)
 
+    def row_bucket(self, count: int) -> int:
+        """The rows a chunk of ``count`` decoding requests runs (``row_buckets``)."""
+        return next(rows for rows in self.row_buckets if rows >= count)
+
     def chunk(self, owners: list[Request | None]) -> DispatchedChunk:
-        """Dispatch a decode chunk for the decoding requests (``owners``: each slot's, or None);
-        each slot's window of tokens starts at its request's delivered count."""
-        seen = np.asarray([0 if r is None else r.delivered for r in owners], np.int32)
-        seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)
-        self.state, output = engine_chunk(self.target.params, self._draft_params, self.state,
-                                          *replicated((jnp.asarray(seen), jnp.asarray(seen_steps)),
-                                                      self.target.tensor_parallel), self.replay_alpha,
-                                          config=self.config, num_steps=self.chunk_steps,
-                                          steps_per_check=self.steps_per_check)
+        """Dispatch a decode chunk for the decoding requests (``owners``: each slot's, or None) on
+        the smallest row bucket that holds them; each row's window of tokens starts at its
+        request's delivered count."""
+        slots = [slot for slot, request in enumerate(owners) if request is not None]
+        count = self.row_bucket(len(slots))
+        requests = [owners[slot] for slot in slots] + [None] * (count - len(slots))
+        rows = np.asarray(slots + [self.slots] * (count - len(slots)), np.int32)
+        seen = np.asarray([0 if r is None else r.delivered for r in requests], np.int32)
+        seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in requests], np.int32)
+        self.state, output = self._chunk_call(rows, seen, seen_steps)
         jax.tree.map(lambda x: x.copy_to_host_async(), output)
-        return DispatchedChunk(output, owners, seen, seen_steps)
+        return DispatchedChunk(output, requests, seen, seen_steps)
+
+    def _chunk_call(self, rows: np.ndarray, seen: np.ndarray, seen_steps: np.ndarray,
+                    step_costs: np.ndarray | None = None):
+        """``engine_chunk`` on ``rows``; ``step_costs`` default: the measured ones of the bucket."""
+        if self.config.adaptive and step_costs is None:
+            step_costs = self.step_costs[len(rows)]
+        costs = None if step_costs is None else jnp.asarray(step_costs, jnp.float32)
+        tp = self.target.tensor_parallel
+        return engine_chunk(self.target.params, self._draft_params, self.state,
+                            *replicated((jnp.asarray(rows), jnp.asarray(seen), jnp.asarray(seen_steps)), tp),
+                            self.replay_alpha, replicated(costs, tp), config=self.config,
+                            num_steps=self.chunk_steps, steps_per_check=self.steps_per_check)
+
+    def calibrate(self, context: int = 512, repeats: int = 2) -> dict[int, np.ndarray]:
+        """Measure a decode step's seconds at each verify width for each row bucket (every row
+        running at ``context`` tokens, its draft tokens proposed and verified as in serving),
+        for ``choose_width``; sets and returns ``step_costs``. Before any request: it runs on
+        the live state, then makes a fresh one."""
+        widths = self.config.widths
+        context = max(0, min(context, self.max_model_len - self.chunk_steps * self.config.block_size - 1))
+        costs = {}
+        for count in self.row_buckets:
+            seconds = np.zeros(len(widths))
+            for index in range(len(widths)):
+                forced = np.full(len(widths), np.inf, np.float32)
+                forced[index] = 1.0
+                runs = []
+                for _ in range(repeats):
+                    self.state = self._all_running(count, context)
+                    started = time.perf_counter()
+                    self.state, output = self._chunk_call(np.arange(count, dtype=np.int32),
+                                                          np.zeros(count, np.int32), np.zeros(count, np.int32),
+                                                          step_costs=forced)
+                    jax.block_until_ready(output)
+                    runs.append((time.perf_counter() - started) / self.chunk_steps)
+                seconds[index] = min(runs)
+            costs[count] = seconds
+        self.reset()
+        self.step_costs = costs
+        log.info("verify widths %s: seconds per step by rows running %s", widths,
+                 {count: [round(1e3 * t, 3) for t in row] for count, row in costs.items()})
+        return costs
+
+    def _all_running(self, count: int, context: int) -> DecodeState:
+        """The state with slots 0 .. count-1 decoding at ``context`` tokens over distinct pages
+        (wrapping around a small pool), no stop tokens and no end within a chunk (``calibrate``)."""
+        state = self.state
+        table = (np.arange(self.slots * self.pages_per_seq, dtype=np.int32) % self.num_pages).reshape(self.slots, -1)
+        lengths = np.where(np.arange(self.slots) < count, context, 0).astype(np.int32)
+        done = np.arange(self.slots) >= count
+        tp = self.target.tensor_parallel
+        zeros = np.zeros(self.slots, np.int32)   # (two fields, two buffers: the state is donated)
+        table, lengths, done, stops, generated, steps, budget = replicated(tuple(jnp.asarray(x) for x in (
+            table, lengths, done, np.full(state.stop_tokens.shape, -1, np.int32), zeros, zeros,
+            np.full(self.slots, 2 * self.chunk_steps * self.config.block_size, np.int32))), tp)
+        cache = state.cache.replace(page_table=table, lengths=lengths)
+        return state.replace(cache=cache, done=done, stop_tokens=stops, num_generated=generated, steps=steps,
+                             max_new_tokens=budget)
 
     def read(self, output):
         """A dispatched call's output on the host (waits for it)."""
@@ -229,8 +304,8 @@ class Device:
 
     def warmup(self, prompt_lengths: Sequence[int] | None, rows: int) -> int:
         """Compile the prefill shapes of up to ``rows`` rows (padding rows only, which write
-        nothing), the slot updates and the greedy decode chunk (every slot free: it returns at
-        once). ``prompt_lengths``: only the shapes prompts of these lengths use; by default every
+        nothing), the slot updates and the greedy decode chunk of each row bucket (padding rows
+        only: it returns at once). ``prompt_lengths``: only the shapes prompts of these lengths use; by default every
         shape. Returns the number of programs run."""
         if prompt_lengths is None:
             remainders = {1, 17, 65, 257, 1025, 4097, self.prefill_chunk}
@@ -240,15 +315,16 @@ class Device:
         for count, chunk in shapes:
             self.state, _ = self._prefill_call(np.full((count,), self.slots, np.int32),
                                                np.zeros((count, chunk), np.int32), np.zeros((count,), np.int32))
-        self.admit([], [])
+        self.admit([], [], np.zeros(self.config.block_size - 1, np.float32))
         self.set_pages([])
         self.release([], [])
-        zeros = replicated(jnp.zeros((self.slots,), jnp.int32), self.target.tensor_parallel)
-        self.state, _ = engine_chunk(self.target.params, self._draft_params, self.state, zeros, zeros,
-                                     self.replay_alpha, config=self.config, num_steps=self.chunk_steps,
-                                     steps_per_check=self.steps_per_check)
+        for count in self.row_buckets:   # every row padding: each returns at once
+            zeros = np.zeros(count, np.int32)
+            self.state, _ = self._chunk_call(np.full(count, self.slots, np.int32), zeros, zeros,
+                                             step_costs=np.ones(len(self.config.widths)) if self.config.adaptive
+                                             else None)
         jax.block_until_ready(self.state)
-        return len(shapes) + 4
+        return len(shapes) + 3 + len(self.row_buckets)
 
     def _with_statics(self, state: DecodeState, running: list[Request]) -> DecodeState:
         """The state's static choices for the requests holding slots: greedy when all are; the

@@ -8,10 +8,15 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.runtime.decode import ChunkOutput, PrefillOutput
 from dflash_jax.runtime.engine.device import DispatchedChunk
 from dflash_jax.runtime.engine.request import Request, RequestOutput, TokenLogprob
+
+ACCEPTANCE_PRIOR = 0.75   # a draft position's acceptance assumed before the engine has seen any
+PRIOR_WEIGHT = 16.0       # steps of evidence that prior is worth
 
 
 @dataclasses.dataclass
@@ -22,9 +27,11 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: int = 0
     num_drafts: int = 0
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0           # draft tokens verified
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    verified_per_position: list[int] = dataclasses.field(default_factory=list)
+    reached_per_position: list[int] = dataclasses.field(default_factory=list)   # verified, all before accepted
 
 
 class OutputProcessor:
@@ -36,6 +43,18 @@ class OutputProcessor:
                  draft_tokens: int | None, release: Callable[[Request], None]):
         self.tokenizer, self.eos_ids, self.stats = tokenizer, eos_ids, stats
         self.draft_tokens, self.release = draft_tokens, release
+        if draft_tokens is not None and not stats.reached_per_position:
+            stats.reached_per_position = [0] * draft_tokens
+
+    def acceptance_prior(self, prior: float = ACCEPTANCE_PRIOR, weight: float = PRIOR_WEIGHT) -> np.ndarray:
+        """[draft_tokens] the chance, at each draft position, that its token is accepted when all
+        before it were: the engine's rates so far, pulled toward ``prior`` by ``weight`` steps
+        (a new request's estimate starts here; ``decode.DecodeState.acceptance``)."""
+        if self.draft_tokens is None:
+            return np.zeros(0, np.float32)
+        accepted = np.asarray(self.stats.accepted_per_position, np.float64)
+        reached = np.asarray(self.stats.reached_per_position, np.float64)
+        return ((accepted + prior * weight) / (reached + weight)).astype(np.float32)
 
     def first_tokens(self, out: PrefillOutput, rows: list[Request]) -> None:
         """The first token of each request whose prompt the prefill chunk ended (time to first
@@ -60,26 +79,26 @@ class OutputProcessor:
         owns its slot; finish those done (on the device, or by a stop string)."""
         now = time.monotonic()
         seen, seen_steps = chunk.seen, chunk.seen_steps
-        for slot, request in enumerate(chunk.owners):
+        for row, request in enumerate(chunk.owners):
             if request is None or request.finished:
                 continue
-            count = int(out.num_generated[slot])
-            new = out.tokens[slot, request.delivered - seen[slot]:count - seen[slot]].tolist()
-            steps = out.accept_lengths[slot, len(request.accept_lengths) - seen_steps[slot]:
-                                       int(out.steps[slot]) - seen_steps[slot]].tolist()
+            count = int(out.num_generated[row])
+            new = out.tokens[row, request.delivered - seen[row]:count - seen[row]].tolist()
+            step_span = slice(len(request.accept_lengths) - seen_steps[row], int(out.steps[row]) - seen_steps[row])
+            steps = out.accept_lengths[row, step_span].tolist()
             if request.params.logprobs is not None and out.logprobs is not None:
-                span = slice(request.delivered - seen[slot], count - seen[slot])
+                span = slice(request.delivered - seen[row], count - seen[row])
                 k = request.params.logprobs
                 request.pending_logprobs = [
                     TokenLogprob(t, float(c), tuple(zip(ids[:k].tolist(), values[:k].tolist())))
-                    for t, c, values, ids in zip(new, out.logprobs.chosen[slot, span],
-                                                 out.logprobs.top_values[slot, span], out.logprobs.top_ids[slot, span])]
+                    for t, c, values, ids in zip(new, out.logprobs.chosen[row, span],
+                                                 out.logprobs.top_values[row, span], out.logprobs.top_ids[row, span])]
             request.delivered = count
             if new and request.first_token_time is None:
                 request.first_token_time = now
-            self._count_steps(steps)
+            self._count_steps(steps, out.verified[row, step_span].tolist())
             reason = None
-            if out.done[slot]:
+            if out.done[row]:
                 reason = "length" if count >= request.params.max_tokens and not self.stopped_by_token(request, new) \
                     else "stop"
             self.emit(request, new, steps, reason)
@@ -88,16 +107,20 @@ class OutputProcessor:
         ids = set(request.params.stop_token_ids) | (set() if request.params.ignore_eos else set(self.eos_ids))
         return bool(new) and new[-1] in ids
 
-    def _count_steps(self, steps: list[int]) -> None:
+    def _count_steps(self, steps: list[int], verified: list[int]) -> None:
+        """Count DFlash steps of ``steps`` emitted tokens each, ``verified`` draft tokens each."""
         if self.draft_tokens is None:
             return
-        for emitted in steps:
+        stats = self.stats
+        for emitted, checked in zip(steps, verified):
             accepted = max(emitted - 1, 0)
-            self.stats.num_drafts += 1
-            self.stats.num_draft_tokens += self.draft_tokens
-            self.stats.num_accepted_tokens += accepted
-            for position in range(accepted):
-                self.stats.accepted_per_position[position] += 1
+            stats.num_drafts += 1
+            stats.num_draft_tokens += checked
+            stats.num_accepted_tokens += accepted
+            for position in range(checked):
+                stats.verified_per_position[position] += 1
+                stats.reached_per_position[position] += position <= accepted
+                stats.accepted_per_position[position] += position < accepted
 
     def emit(self, request: Request, new: list[int], steps: list[int], reason: str | None) -> None:
         """Deliver new tokens with their text. A stop token's text is not output; a stop string
