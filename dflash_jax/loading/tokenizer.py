@@ -3,6 +3,7 @@ files (text lines, or JSON Lines of prompts and chats) rendered through them."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import warnings
@@ -78,6 +79,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, padding and truncation off: what a grammar
+        engine (llguidance's LLTokenizer) rebuilds it from."""
+        backend = self._tok
+        if backend.padding is not None or backend.truncation is not None:
+            backend = copy.copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
+        return backend.to_str()
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (how log-probabilities name tokens)."""
