@@ -144,10 +144,11 @@ def summarize(records: list[dict], wall: float, stats) -> dict:
 
 
 def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) -> dict:
-    """The same prompts through an engine stepped in this thread (no HTTP): tok/s over the wall
-    time less compilation."""
+    """The same prompts through an engine stepped in this thread (no HTTP; no prefix caching, as
+    the server's): tok/s over the wall time less compilation."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=args.prompt_len + args.max_tokens,
-                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, accept_replay=alpha)
+                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, prefix_caching=False,
+                    accept_replay=alpha)
     params = RequestParams(max_tokens=args.max_tokens, ignore_eos=True)
     start = time.monotonic()
     for prompt in prompts:
@@ -159,10 +160,12 @@ def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) ->
 
 
 def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
-    """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does)."""
+    """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does); no prefix
+    caching: the warm-up's prompts come again in the timed run, and every prompt is to be
+    prefilled as a new one would be."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=args.prompt_len + args.max_tokens,
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
-                    max_waiting=100000, accept_replay=alpha)
+                    max_waiting=100000, prefix_caching=False, accept_replay=alpha)
     start = time.monotonic()
     programs = engine.warmup(prompt_lengths=[args.prompt_len])
     print(f"  {slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "

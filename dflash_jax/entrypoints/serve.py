@@ -26,6 +26,7 @@ from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.sharding import TensorParallel, make_mesh
 from dflash_jax.runtime.engine import Engine
+from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 
 
 def _log_to_stderr(level_name: str) -> None:
@@ -38,6 +39,16 @@ def _log_to_stderr(level_name: str) -> None:
     if jax.config.jax_logging_level in (None, "NOTSET"):
         for name in ("jax", "jaxlib"):
             logging.getLogger(name).setLevel(level if level == logging.DEBUG else max(level, logging.WARNING))
+
+
+def _prefix_caching_state(engine: Engine, turned_off: bool) -> str:
+    """Whether the engine reuses cached prompt prefixes, and why not when it does not."""
+    if engine.prefix_caching:
+        return "on: --no-prefix-caching"
+    if turned_off:
+        return "off: --no-prefix-caching"
+    draft = None if engine.draft is None else engine.draft.config.model
+    return f"off: {prefix_caching_unsupported(engine.target.config, draft)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +99,7 @@ def run(args) -> int:
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,
                         chunk_steps=args.chunk_steps, prefill_chunk=args.prefill_chunk,
                         max_waiting=args.max_waiting, impl=args.impl, seed=args.seed,
-                        accept_replay=args.accept_replay)
+                        prefix_caching=False if args.no_prefix_caching else None, accept_replay=args.accept_replay)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -100,7 +111,8 @@ def run(args) -> int:
     app = create_app(engine, name)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (target {target_dir}"
           + (f", draft {draft_dir}" if draft_dir else ", no draft") + f", {dtype}; {max_num_seqs} requests at a time, "
-          f"up to {engine.max_model_len} tokens each: --max-num-seqs, --max-model-len)", file=sys.stderr)
+          f"up to {engine.max_model_len} tokens each: --max-num-seqs, --max-model-len; prefix caching "
+          f"{_prefix_caching_state(engine, args.no_prefix_caching)})", file=sys.stderr)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the handler found before
     # it: this one, so that a requested stop exits 0 rather than by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
