@@ -271,7 +271,9 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
             response = answer.result()
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
         assert process.wait(60) == 0
-        assert "float32; 4 requests at a time, up to 256 tokens each" in process.communicate()[1]
+        started = process.communicate()[1]
+        assert "float32; 4 requests at a time, up to 256 tokens each" in started
+        assert "prefix caching on: --no-prefix-caching" in started
     finally:
         if process.poll() is None:
             process.kill()
