@@ -149,11 +149,11 @@ def summarize(records: list[dict], wall: float, stats) -> dict:
 
 
 def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) -> dict:
-    """The same prompts through an engine stepped in this thread (no HTTP): tok/s over the wall
-    time less compilation."""
+    """The same prompts through an engine stepped in this thread (no HTTP; no prefix caching, as
+    the server's): tok/s over the wall time less compilation."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=args.prompt_len + args.max_tokens,
-                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, accept_replay=alpha,
-                    speculative_policy=args.speculative_policy)
+                    block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, prefix_caching=False,
+                    accept_replay=alpha, speculative_policy=args.speculative_policy)
     params = RequestParams(max_tokens=args.max_tokens, ignore_eos=True)
     start = time.monotonic()
     for prompt in prompts:
@@ -165,11 +165,14 @@ def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) ->
 
 
 def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
-    """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does)."""
+    """A server's engine, its programs compiled (``Engine.warmup``, as ``serve`` does); no prefix
+    caching: the warm-up's prompts come again in the timed run, and every prompt is to be
+    prefilled as a new one would be."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=args.max_num_seqs or slots,
                     max_model_len=args.prompt_len + args.max_tokens,
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
-                    max_waiting=100000, accept_replay=alpha, speculative_policy=args.speculative_policy)
+                    max_waiting=100000, prefix_caching=False, accept_replay=alpha,
+                    speculative_policy=args.speculative_policy)
     start = time.monotonic()
     programs = engine.warmup(prompt_lengths=[args.prompt_len])
     print(f"  {engine.slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "

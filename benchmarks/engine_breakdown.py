@@ -124,8 +124,8 @@ def main(argv=None) -> int:
             use_draft = None if block is None else draft
             engine = Engine(target, use_draft, tokenizer, max_num_seqs=args.concurrency,
                             max_model_len=args.prompt_len + args.max_tokens, block_size=block,
-                            chunk_steps=args.chunk_steps, max_waiting=len(prompts),
-                            accept_replay=None if block is None else args.alpha)
+                            chunk_steps=args.chunk_steps, max_waiting=len(prompts), prefix_caching=False,
+                            accept_replay=None if block is None else args.alpha)   # prompts rerun: prefill each
             engine.warmup(prompt_lengths=[args.prompt_len])
             row = {"mode": "plain" if block is None else f"dflash block {block}", **breakdown(engine, prompts, args)}
             report["rows"].append(row)

@@ -1,8 +1,10 @@
 """The serving engine (dflash_jax.runtime.engine): continuous batching gives every request what it
 would get alone, greedy rows token for token; admission, chunked prefill, slot reuse and page
 freeing under random arrivals; per-request sampling exact in distribution; streamed text the
-tokenizer's decode of the tokens."""
+tokenizer's decode of the tokens; prefix caching reuses a cached prefix's pages with the same
+tokens and acceptance, and under random arrivals on a small pool loses no page."""
 
+import dataclasses
 import itertools
 import random
 
@@ -13,7 +15,9 @@ import pytest
 
 from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.tokenizer import Tokenizer
+from dflash_jax.model.nn.gated_deltanet import GatedDeltaNetSpec
 from dflash_jax.runtime.engine import Engine, QueueFullError, RequestParams
+from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 from dflash_jax.runtime.sampling import SamplingConfig
 
 
@@ -44,7 +48,8 @@ def _alone(target, prompt, max_tokens: int, draft=None) -> list[int]:
     assert max_tokens <= ALONE_TOKENS
     key = (id(target), id(draft))
     if key not in _ALONE:   # the models are kept beside their engine: their ids stay theirs
-        _ALONE[key] = target, draft, Engine(target, draft, max_num_seqs=1, max_model_len=128, impl="reference")
+        _ALONE[key] = target, draft, Engine(target, draft, max_num_seqs=1, max_model_len=128, impl="reference",
+                                            prefix_caching=False)
     engine = _ALONE[key][2]
     request = engine.submit(prompt, RequestParams(max_tokens=ALONE_TOKENS))
     engine.run_until_done()
@@ -52,9 +57,13 @@ def _alone(target, prompt, max_tokens: int, draft=None) -> list[int]:
 
 
 def _check_idle(engine: Engine) -> None:
-    """Nothing leaked: every page free, nothing promised, every slot free."""
-    assert engine.pages_in_use == 0 and engine.scheduler.promised == 0
+    """Nothing leaked: no page referenced, nothing promised, every page free or cached, every slot
+    free."""
+    scheduler = engine.scheduler
+    assert engine.pages_in_use == 0 and scheduler.reserved == 0
+    assert len(scheduler.free_pages) + engine.cached_pages == engine.num_pages
     assert engine.num_running == 0 and engine.num_waiting == 0
+    scheduler.check_invariants()
 
 
 @pytest.mark.parametrize("with_draft", [True, False], ids=["dflash", "plain"])
@@ -316,7 +325,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(spec_pair, mon
         engine.run_until_done()
     aborted = [i for i, o in finals.items() if o.finish_reason == "abort"]
     assert len(aborted) == 2 and all("device fault" in finals[i].error for i in aborted)
-    assert engine.pages_in_use == 0 and engine.num_running == 0
+    assert engine.pages_in_use == 0 and engine.num_running == 0 and engine.cached_pages == 0   # a new pool
     engine.run_until_done()
     for i, request in enumerate(requests):
         if i not in aborted:
@@ -413,3 +422,80 @@ def test_the_adaptive_width_follows_expected_tokens_per_second():
     np.testing.assert_allclose(expected_tokens(state(0.5, done=(True, False)), widths),
                                [1.5, 1.875, 1 + sum(0.5 ** i for i in range(1, 8)), 1 + sum(0.5 ** i for i in range(1, 16))],
                                rtol=1e-6)
+
+
+def test_a_cached_prefix_is_reused_with_the_same_tokens_and_acceptance(spec_pair):
+    """A second request on a 1,024-token prefix a first one left cached prefills only its own
+    suffix (the draft's context comes from the same pages), and gives the tokens and acceptance
+    lengths of the same request prefilled whole by an engine without prefix caching."""
+    rng = np.random.default_rng(61)
+    prefix = rng.integers(1, 120, size=1024).tolist()
+    first, second = (prefix + rng.integers(1, 120, size=n).tolist() for n in (9, 13))
+    settings = dict(max_num_seqs=2, max_model_len=1072, page_size=16, chunk_steps=4, impl="reference")
+    params = RequestParams(max_tokens=32)
+    engine = Engine(spec_pair.target, spec_pair.draft, **settings)
+    _run(engine, [first], params)
+    stats = engine.stats
+    assert stats.prefill_tokens_computed == len(first) and stats.prefix_cache_hits == 0
+    assert engine.cached_pages == 1024 // 16
+    [hit], _ = _run(engine, [second], params)
+    assert hit.cached_tokens == stats.prefix_cache_hits == 1024
+    assert stats.prefill_tokens_computed == len(first) + 13
+    assert stats.prefix_cache_queries == stats.prompt_tokens == len(first) + len(second)
+    cold_engine = Engine(spec_pair.target, spec_pair.draft, prefix_caching=False, **settings)
+    [cold], _ = _run(cold_engine, [second], params)
+    assert cold_engine.stats.prefill_tokens_computed == len(second) and cold_engine.stats.prefix_cache_queries == 0
+    assert hit.token_ids == cold.token_ids and hit.accept_lengths == cold.accept_lengths
+    assert max(hit.accept_lengths) > 1
+    _check_idle(engine)
+    _check_idle(cold_engine)
+
+
+@pytest.mark.parametrize("seed", [17, 29, 43])
+def test_prefix_caching_under_random_arrivals_on_a_small_pool(spec_pair, seed):
+    """Prompts of a few shared prefixes and random suffixes, arriving at random steps with random
+    max_tokens, some cancelled, on a pool too small to keep every page cached: the page accounting
+    holds after every step (a referenced page is never evicted), every request finishes, the
+    greedy ones with their tokens alone, and every page comes back free or cached."""
+    rng = random.Random(seed)
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=80, page_size=8,
+                    prefill_chunk=8, chunk_steps=2, num_pages=24, impl="reference")
+    prefixes = [[rng.randint(1, 119) for _ in range(n)] for n in (8, 17, 24)]
+    prompts = [rng.choice(prefixes) + [rng.randint(1, 119) for _ in range(rng.randint(0, 20))] for _ in range(24)]
+    pending = list(enumerate(prompts))
+    submitted, finals = {}, {}
+    while pending or engine.has_work():
+        if pending and rng.random() < 0.5:
+            index, prompt = pending.pop(0)
+            submitted[index] = engine.submit(prompt, RequestParams(max_tokens=rng.randint(1, 20)),
+                                             on_output=lambda o, i=index: o.finished and finals.setdefault(i, o))
+        live = [r for r in submitted.values() if not r.finished]
+        if live and rng.random() < 0.1:
+            engine.cancel(rng.choice(live))
+        engine.step()
+        engine.scheduler.check_invariants()
+    assert sorted(finals) == list(range(len(prompts)))
+    for index, request in submitted.items():
+        if request.cancelled:
+            assert finals[index].finish_reason == "abort"
+            continue
+        assert finals[index].finish_reason == "length"
+        assert request.token_ids == _alone(spec_pair.target, prompts[index], request.params.max_tokens,
+                                           spec_pair.draft)
+    assert any(r.cancelled for r in submitted.values())
+    assert engine.stats.prefix_cache_hits > 0 and engine.scheduler.prefix_cache.evictions > 0
+    _check_idle(engine)
+
+
+def test_prefix_caching_is_refused_on_a_hybrid_by_name(spec_pair):
+    """A target with a Gated DeltaNet layer (Qwen3.5 / Qwen3-Next) cannot restore its recurrent
+    state at a cached prefix's end: prefix_caching=True is refused naming why and the server's
+    flag; left unset, it is off."""
+    config = spec_pair.target.config
+    layers = (dataclasses.replace(config.layers[0], mixer=GatedDeltaNetSpec(1, 2, 16, 16)),) + config.layers[1:]
+    hybrid = dataclasses.replace(spec_pair.target, config=dataclasses.replace(config, family="qwen3_5", layers=layers))
+    assert prefix_caching_unsupported(config) is None
+    with pytest.raises(ValueError, match=r"the target \(qwen3_5\) is a hybrid: its Gated DeltaNet layers \(1 of 4\) .*"
+                                         r"--no-prefix-caching"):
+        Engine(hybrid, prefix_caching=True, impl="reference")
+    assert not Engine(hybrid, max_num_seqs=1, max_model_len=64, page_size=8, impl="reference").prefix_caching

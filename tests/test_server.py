@@ -161,18 +161,29 @@ def test_chat_completions_use_the_template(models, server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == result.choices[0].message.content
 
 
-def test_models_health_and_metrics(server):
+def test_models_health_and_metrics(models, server):
+    """The counters and gauges; a prompt sent twice is found in the prefix cache the second time
+    (all but its last, partial page of 8 tokens)."""
     assert httpx.get(server.url + "/health").status_code == 200
     assert [m.id for m in server.client().models.list()] == [MODEL]
     server.client().completions.create(model=MODEL, prompt="def", max_tokens=8, temperature=0)
     for name in ("dflash:prompt_tokens_total", "dflash:generation_tokens_total", "dflash:spec_decode_num_drafts_total",
                  "dflash:spec_decode_num_draft_tokens_total", "dflash:time_to_first_token_seconds_count",
-                 "dflash:e2e_request_latency_seconds_count", "dflash:spec_decode_num_verified_tokens_per_pos_total"):
+                 "dflash:e2e_request_latency_seconds_count", "dflash:spec_decode_num_verified_tokens_per_pos_total",
+                 "dflash:prefix_cache_queries_total"):
         assert server.metric(name) > 0, name
     stats = server.engine.stats
     assert server.metric("dflash:spec_decode_num_verified_tokens_per_pos_total") == stats.num_draft_tokens
     assert server.metric("dflash:spec_decode_num_accepted_tokens_per_pos_total") == stats.num_accepted_tokens
     assert server.metric("dflash:kv_cache_pages_total") == server.engine.num_pages
+    prompt = " ".join(PROMPTS) * 2
+    length = len(models[2].encode(prompt))
+    queries, hits = server.metric("dflash:prefix_cache_queries_total"), server.metric("dflash:prefix_cache_hits_total")
+    server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    first_hits = server.metric("dflash:prefix_cache_hits_total") - hits
+    server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert server.metric("dflash:prefix_cache_queries_total") - queries == 2 * length
+    assert server.metric("dflash:prefix_cache_hits_total") - hits - first_hits == (length - 1) // 8 * 8 > 0
 
 
 def test_errors_have_openai_shape(server):
@@ -323,7 +334,9 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
             response = answer.result()
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
         assert process.wait(60) == 0
-        assert "float32; 4 requests at a time, up to 256 tokens each" in process.communicate()[1]
+        started = process.communicate()[1]
+        assert "float32; 4 requests at a time, up to 256 tokens each" in started
+        assert "prefix caching on: --no-prefix-caching" in started
     finally:
         if process.poll() is None:
             process.kill()

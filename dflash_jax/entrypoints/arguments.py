@@ -186,6 +186,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=at_least(1), default=512,
                    help="prompt tokens a request prefills per engine step")
     p.add_argument("--max-waiting", type=at_least(1), default=1024, help="queued requests before 503")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt whole instead of reusing the KV pages of prompt prefixes seen before "
+                        "(default: reused, except on Qwen3.5 / Qwen3-Next hybrids, whose recurrent state a cached "
+                        "prefix cannot restore)")
     _add_model_flags(p)
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of requests that give none")
     p.add_argument("--shutdown-timeout", type=positive_float, default=60.0,

@@ -29,6 +29,7 @@ from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.sharding import TensorParallel, make_mesh
 from dflash_jax.runtime.engine import Engine
+from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 
 
 def _log_to_stderr(level_name: str) -> None:
@@ -51,6 +52,16 @@ def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
     if key is not None and not (key and all("!" <= character <= "~" for character in key)):
         raise ValueError(f"{source} must be a non-empty key of printable ASCII without spaces")
     return key
+
+
+def _prefix_caching_state(engine: Engine, turned_off: bool) -> str:
+    """Whether the engine reuses cached prompt prefixes, and why not when it does not."""
+    if engine.prefix_caching:
+        return "on: --no-prefix-caching"
+    if turned_off:
+        return "off: --no-prefix-caching"
+    draft = None if engine.draft is None else engine.draft.config.model
+    return f"off: {prefix_caching_unsupported(engine.target.config, draft)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +113,8 @@ def run(args) -> int:
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,
                         chunk_steps=args.chunk_steps, prefill_chunk=args.prefill_chunk,
                         max_waiting=args.max_waiting, impl=args.impl, seed=args.seed,
-                        accept_replay=args.accept_replay, speculative_policy=args.speculative_policy)
+                        prefix_caching=False if args.no_prefix_caching else None, accept_replay=args.accept_replay,
+                        speculative_policy=args.speculative_policy)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -114,7 +126,8 @@ def run(args) -> int:
     app = create_app(engine, name, api_key=api_key)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (target {target_dir}"
           + (f", draft {draft_dir}" if draft_dir else ", no draft") + f", {dtype}; {max_num_seqs} requests at a time, "
-          f"up to {engine.max_model_len} tokens each: --max-num-seqs, --max-model-len)", file=sys.stderr)
+          f"up to {engine.max_model_len} tokens each: --max-num-seqs, --max-model-len; prefix caching "
+          f"{_prefix_caching_state(engine, args.no_prefix_caching)})", file=sys.stderr)
     if api_key is not None:
         source = "--api-key" if args.api_key is not None else f"${API_KEY_VARIABLE}"
         print(f"every route but /health needs the API key of {source} (Authorization: Bearer <key>)",

@@ -211,8 +211,11 @@ class Metrics(prometheus_client.registry.Collector):
             family.add_metric(model, value)
             return family
 
-        yield counter("prompt_tokens", "Prompt tokens prefilled", stats.prompt_tokens)
+        yield counter("prompt_tokens", "Prompt tokens of requests whose prefill ended (cached or run)",
+                      stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated", stats.generation_tokens)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits)
         yield counter("spec_decode_num_drafts", "DFlash steps (drafts verified)", stats.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens)

@@ -409,18 +409,20 @@ def _take(full: jax.Array, slots: jax.Array, fill=0) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def admit_slots(state: DecodeState, slots: jax.Array, page_rows: jax.Array, max_new_tokens: jax.Array,
-                stop_tokens: jax.Array, sampling: SamplingRows, keys: jax.Array,
-                acceptance: jax.Array) -> DecodeState:
-    """Give slots [R] to new requests: their page-table rows [R, W], max_new_tokens [R], stop
-    tokens [R, S], sampling settings (values [R]; the state keeps its static part), PRNG keys
-    [R] and the acceptance estimate they start from [D] (the engine's running rates); empty
-    caches and counters. They read as done until ``prefill_slots`` has run their last prompt
-    token."""
+def admit_slots(state: DecodeState, slots: jax.Array, page_rows: jax.Array, lengths: jax.Array,
+                max_new_tokens: jax.Array, stop_tokens: jax.Array, sampling: SamplingRows,
+                keys: jax.Array, acceptance: jax.Array) -> DecodeState:
+    """Give slots [R] to new requests: their page-table rows [R, W], committed lengths [R] (the
+    tokens of a cached prefix their pages already hold; 0 without one), max_new_tokens [R], stop
+    tokens [R, S], sampling settings (values [R]; the state keeps its static part), PRNG keys [R]
+    and the acceptance estimate they start from [D] (the engine's running rates); zeroed
+    recurrent states and counters. They read as done until ``prefill_slots`` has run their last
+    prompt token."""
     cache = state.cache
     zero = lambda pool: tuple(None if x is None else _put(x, slots, 0) for x in pool)  # noqa: E731
     cache = cache.replace(page_table=_put(cache.page_table, slots, page_rows),
-                          lengths=_put(cache.lengths, slots, 0), conv=zero(cache.conv), recurrent=zero(cache.recurrent))
+                          lengths=_put(cache.lengths, slots, lengths), conv=zero(cache.conv),
+                          recurrent=zero(cache.recurrent))
     values = dataclasses.replace(state.sampling, **{
         name: _put(getattr(state.sampling, name), slots, getattr(sampling, name))
         for name in ("temperature", "top_p", "top_k", "min_p")})

@@ -6,7 +6,10 @@ is admitted only when its whole worst case fits, so nothing runs out of pages mi
 can never fit is refused at once), runs one chunk of prompt tokens for the requests still
 prefilling (each row its own start: no padding to the longest prompt, and a long prompt takes
 one chunk per engine step instead of stalling the others for its whole prefill), hands out
-pages as the requests grow and frees them when one finishes, is cancelled or fails.
+pages as the requests grow and frees them when one finishes, is cancelled or fails. With prefix
+caching, full prompt pages are kept by content and a request whose prompt starts with a cached
+prefix starts on those pages (the target's K/V and the draft's context alike), prefilling only
+the rest.
 
 Host work overlaps device work: chunk k is dispatched before chunk k-1's tokens are read,
 detokenized, checked for stop strings and delivered; so the host's view lags one chunk, and a
@@ -18,7 +21,8 @@ Every request keeps its own sampling settings (``SamplingConfig``), seed, stop t
 strings and max_tokens in the one batch; DFlash stays exact per row (``sampling``).
 
 Modules: ``request`` (a request's settings, outputs and progress), ``scheduler`` (queue, slots,
-page accounting, admission), ``device`` (the decode state and the programs on it), ``output``
+page accounting, admission), ``prefix_cache`` (cached prompt pages by chain hash, their
+reference counts and eviction order), ``device`` (the decode state and the programs on it), ``output``
 (tokens to text, stop strings and tokens, log-probabilities, finishing, counters) and ``core``
 (``Engine``, which composes them and runs the steps).
 """

@@ -19,6 +19,7 @@ from dflash_jax.model.sharding import replicated
 from dflash_jax.runtime.decode import LoopConfig, PrefillOutput, bucket, default_steps_per_check
 from dflash_jax.runtime.engine.device import Device, DispatchedChunk, default_num_pages
 from dflash_jax.runtime.engine.output import EngineStats, OutputProcessor
+from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request, RequestOutput, RequestParams
 from dflash_jax.runtime.engine.scheduler import QueueFullError, Scheduler
 
@@ -38,8 +39,10 @@ class Engine:
     prefill_rows: requests prefilled together per step; chunk_steps: decode steps per chunk;
     max_waiting: requests the queue holds before ``submit`` refuses; top_k_cap: the largest top_k
     a request may sample with; max_logprobs: the most top log-probabilities a request may ask
-    for (computed only while a running request asks). accept_replay (benchmarks only): each draft
-    token is accepted with this probability instead of by the target (``decode.LoopConfig``).
+    for (computed only while a running request asks). prefix_caching: reuse the KV pages of cached
+    prompt prefixes (``prefix_cache``; None: on unless the models are hybrids, which it does not
+    support). accept_replay (benchmarks only): each draft token is accepted with this probability
+    instead of by the target (``decode.LoopConfig``).
     speculative_policy: "fixed" verifies the whole block every step; "adaptive" (with a draft)
     verifies, each step, the block width (2, 4, 8, ... up to the block) with the most expected
     tokens per second for the requests running, from each request's acceptance so far and a
@@ -52,7 +55,8 @@ class Engine:
                  steps_per_check: int | None = None, prefill_chunk: int = PREFILL_CHUNK, prefill_rows: int = 8,
                  max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
-                 accept_replay: float | None = None, speculative_policy: str = "fixed"):
+                 prefix_caching: bool | None = None, accept_replay: float | None = None,
+                 speculative_policy: str = "fixed"):
         config = target.config
         for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size), ("chunk_steps", chunk_steps),
                             ("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
@@ -60,6 +64,13 @@ class Engine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_page_size(config, page_size)
+        unsupported = prefix_caching_unsupported(config, None if draft is None else draft.config.model)
+        if prefix_caching and unsupported:
+            raise ValueError(f"prefix caching is not supported here: {unsupported}. Leave prefix_caching unset "
+                             "(off for such models) or pass False; the server: --no-prefix-caching")
+        self.prefix_caching = not unsupported if prefix_caching is None else prefix_caching
+        if unsupported and prefix_caching is None:
+            log.info("prefix caching off: %s", unsupported)
         if draft is not None:
             draft.config.check_target(config)
             block_size = draft.config.block_size if block_size is None else block_size
@@ -109,7 +120,8 @@ class Engine:
         positions = max(self.config.block_size - 1, 0)
         self.stats = EngineStats(accepted_per_position=[0] * positions, verified_per_position=[0] * positions)
         self.scheduler = Scheduler(slots=max_num_seqs, num_pages=self.num_pages, page_size=page_size,
-                                   block_size=self.config.block_size, max_waiting=max_waiting)
+                                   block_size=self.config.block_size, max_waiting=max_waiting,
+                                   prefix_caching=self.prefix_caching)
         self.output = OutputProcessor(tokenizer, self.eos_ids, self.stats, release=self._release,
                                       draft_tokens=None if draft is None else self.config.block_size - 1)
         self.device = Device(target, draft, self.config, slots=max_num_seqs, num_pages=self.num_pages,
@@ -194,7 +206,13 @@ class Engine:
 
     @property
     def pages_in_use(self) -> int:
+        """KV pages some request references (cached pages nobody references are not in use)."""
         return self.scheduler.pages_in_use
+
+    @property
+    def cached_pages(self) -> int:
+        """KV pages in the prefix cache, referenced or not."""
+        return self.scheduler.cached_pages
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting) or self.num_running > 0 or self._in_flight is not None
@@ -211,9 +229,7 @@ class Engine:
                 self._free_released()
                 if self.has_work():
                     self._calibrate_once()
-                admitted = self.scheduler.admit()
-                if admitted:
-                    self.device.admit(admitted, self.scheduler.running, self.output.acceptance_prior())
+                self._admit()
             if not self.has_work():
                 return False
             prefilled = self._prefill()
@@ -238,9 +254,7 @@ class Engine:
             raise RuntimeError("prefill_waiting runs with no decode chunk in flight")
         with self._lock:
             self._calibrate_once()
-            admitted = self.scheduler.admit()
-            if admitted:
-                self.device.admit(admitted, self.scheduler.running, self.output.acceptance_prior())
+            self._admit()
         while prefilled := self._prefill():
             output, rows = prefilled
             self.output.first_tokens(self.device.read(output), rows)
@@ -327,13 +341,28 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
+    def _admit(self) -> None:
+        """Admit the waiting requests that fit (``Scheduler.admit``) into their slots on the device;
+        count their prompts' prefix-cache lookups."""
+        admitted = self.scheduler.admit()
+        if not admitted:
+            return
+        self.device.admit(admitted, self.scheduler.running, self.output.acceptance_prior())
+        if self.prefix_caching:
+            self.stats.prefix_cache_queries += sum(len(r.prompt_ids) for r in admitted)
+            self.stats.prefix_cache_hits += sum(r.cached_tokens for r in admitted)
+
     def _prefill(self) -> tuple[PrefillOutput, list[Request]] | None:
         """Dispatch one chunk of prompt tokens for up to ``prefill_rows`` requests still
-        prefilling; returns its output and those requests."""
+        prefilling, then cache the full prompt pages it wrote; returns its output and those
+        requests."""
         rows = self.scheduler.prefilling(self.prefill_rows)
         if not rows:
             return None
+        before = sum(r.prefilled for r in rows)
         output = self.device.prefill(rows)
+        self.scheduler.cache_prefilled(rows)
+        self.stats.prefill_tokens_computed += sum(r.prefilled for r in rows) - before
         self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in rows if r.decoding)
         return output, rows
 
@@ -365,11 +394,13 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         """After a failed step: the device state rebuilt (a failed call may have consumed its
-        donated buffers), every request holding a slot finished with "abort" and ``message``;
-        the waiting ones stay queued."""
+        donated buffers), every request holding a slot finished with "abort" and ``message``, the
+        prefix cache emptied (the new pool holds none of its pages); the waiting ones stay
+        queued."""
         self._in_flight = None
         self._released = []
         self.device.reset()
         for request in self.scheduler.running:
             self.scheduler.release(request)             # the new state holds nothing of it
             self.output.finish(request, "abort", error=message)
+        self.scheduler.drop_prefix_cache()

@@ -163,8 +163,8 @@ class Device:
         self.state = self.empty_state()
 
     def admit(self, admitted: list[Request], running: list[Request], acceptance: np.ndarray) -> None:
-        """``admit_slots`` for the admitted requests (``running``: all those holding slots;
-        ``acceptance`` [block_size - 1]: the estimate they start from)."""
+        """``admit_slots`` for the admitted requests, each from its cached prefix (``running``: all
+        those holding slots; ``acceptance`` [block_size - 1]: the estimate they start from)."""
         pad = self.slots - len(admitted)
         settings = [r.params.sampling for r in admitted] + [SamplingConfig()] * pad
         keys = request_keys(self._key, np.asarray([r.number for r in admitted] + [0] * pad, np.uint32),
@@ -176,6 +176,7 @@ class Device:
             ids = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else self.eos_ids)
             stops[row, :len(ids)] = ids
         inputs = (self._slot_rows(admitted), self._page_rows(admitted),
+                  jnp.asarray([r.cached_tokens for r in admitted] + [0] * pad, jnp.int32),
                   jnp.asarray([r.params.max_tokens for r in admitted] + [0] * pad, jnp.int32), jnp.asarray(stops),
                   SamplingRows.stack(settings), keys, jnp.asarray(acceptance, jnp.float32))
         self.state = self._with_statics(admit_slots(self.state, *replicated(inputs, self.target.tensor_parallel)),

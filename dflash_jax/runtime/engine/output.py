@@ -21,9 +21,16 @@ PRIOR_WEIGHT = 16.0       # steps of evidence that prior is worth
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since the engine started (spec-decode ones named as vLLM's metrics)."""
+    """Counters since the engine started (spec-decode and prefix-cache ones named as vLLM's
+    metrics). prompt_tokens: the prompt tokens of requests whose prefill ended (cached or run);
+    prefill_tokens_computed: prompt tokens prefill ran (a cached prefix's are not run);
+    prefix_cache_queries: prompt tokens of the requests admitted with prefix caching on;
+    prefix_cache_hits: those of them found in the prefix cache."""
 
     prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
     num_drafts: int = 0

@@ -72,7 +72,10 @@ class Request:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     promised_pages: int = 0
-    prefilled: int = 0              # prompt tokens run so far
+    page_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages (prefix caching)
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache at admission (not prefilled)
+    offered_pages: int = 0          # leading pages offered to the prefix cache (cached, or kept own)
+    prefilled: int = 0              # prompt tokens in the cache so far (cached or run)
     delivered: int = 0              # generated tokens the host has read
     token_ids: list[int] = dataclasses.field(default_factory=list)
     accept_lengths: list[int] = dataclasses.field(default_factory=list)
