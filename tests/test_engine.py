@@ -36,6 +36,25 @@ def _run(engine: Engine, prompts, params) -> list:
     return requests, outputs
 
 
+def _random_arrivals(engine: Engine, prompts, rng: random.Random, after_step=lambda: None) -> tuple[dict, dict]:
+    """Submit the prompts one by one at random steps (random max_tokens up to 20), cancel a random
+    running request now and then, step until done (``after_step`` after each step); the requests
+    and their last outputs, by prompt index."""
+    pending = list(enumerate(prompts))
+    submitted, finals = {}, {}
+    while pending or engine.has_work():
+        if pending and rng.random() < 0.5:
+            index, prompt = pending.pop(0)
+            submitted[index] = engine.submit(prompt, RequestParams(max_tokens=rng.randint(1, 20)),
+                                             on_output=lambda o, i=index: o.finished and finals.setdefault(i, o))
+        live = [r for r in submitted.values() if not r.finished]
+        if live and rng.random() < 0.1:
+            engine.cancel(rng.choice(live))
+        engine.step()
+        after_step()
+    return submitted, finals
+
+
 ALONE_TOKENS = 48   # the most any test's request here asks for, or more
 _ALONE: dict[tuple[int, int], tuple] = {}   # (target, draft) ids -> (target, draft, engine)
 
@@ -98,17 +117,7 @@ def test_random_arrivals_lose_nothing(spec_pair):
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=80, page_size=8,
                     prefill_chunk=8, chunk_steps=2, num_pages=24, impl="reference")
     prompts = _prompts(8, seed=11, longest=30)
-    pending = list(enumerate(prompts))
-    submitted, finals = {}, {}
-    while pending or engine.has_work():
-        if pending and rng.random() < 0.5:
-            index, prompt = pending.pop(0)
-            submitted[index] = engine.submit(prompt, RequestParams(max_tokens=rng.randint(1, 20)),
-                                             on_output=lambda o, i=index: o.finished and finals.setdefault(i, o))
-        live = [r for r in submitted.values() if not r.finished]
-        if live and rng.random() < 0.1:
-            engine.cancel(rng.choice(live))
-        engine.step()
+    submitted, finals = _random_arrivals(engine, prompts, rng)
     assert sorted(finals) == list(range(len(prompts)))
     for index, request in submitted.items():
         if request.cancelled:
@@ -379,16 +388,21 @@ def test_adaptive_verification_keeps_greedy_tokens(spec_pair):
     """The adaptive policy: a step's time measured for each row bucket and width; then, with
     costs under which the best width follows each step's expected tokens, every request's
     greedy tokens equal those decoded alone with the whole block, several widths are verified,
-    and the per-position counters add up."""
+    and the per-position counters add up. Each chunk runs as many rows as requests decode (one
+    request: one row)."""
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8, prefill_chunk=16,
                     chunk_steps=4, num_pages=40, impl="reference", speculative_policy="adaptive")
     assert engine.config.widths == (2, 4, 8, 16)
     measured = engine.device.calibrate(context=24, repeats=1)
     assert sorted(measured) == [1, 2, 3] and all(np.all(np.isfinite(c)) and np.all(c > 0) for c in measured.values())
     engine.device.step_costs = {rows: np.asarray([1.0, 1.5, 2.0, 2.5]) for rows in measured}
+    chunk, rows_run = engine.device.chunk, []                 # (requests decoding, rows the chunk ran)
+    engine.device.chunk = lambda owners: rows_run.append((sum(r is not None for r in owners), len(
+        (dispatched := chunk(owners)).owners))) or dispatched
     prompts = _prompts(5, seed=17)
     max_tokens = [40, 12, 33, 1, 24]
     requests, _ = _run(engine, prompts, [RequestParams(max_tokens=m) for m in max_tokens])
+    assert (1, 1) in rows_run and all(rows == count for count, rows in rows_run)   # buckets 1, 2, 3 of 3 slots
     for prompt, m, request in zip(prompts, max_tokens, requests):
         assert request.token_ids == _alone(spec_pair.target, prompt, m, spec_pair.draft)
     stats = engine.stats
@@ -462,18 +476,7 @@ def test_prefix_caching_under_random_arrivals_on_a_small_pool(spec_pair, seed):
                     prefill_chunk=8, chunk_steps=2, num_pages=24, impl="reference")
     prefixes = [[rng.randint(1, 119) for _ in range(n)] for n in (8, 17, 24)]
     prompts = [rng.choice(prefixes) + [rng.randint(1, 119) for _ in range(rng.randint(0, 20))] for _ in range(24)]
-    pending = list(enumerate(prompts))
-    submitted, finals = {}, {}
-    while pending or engine.has_work():
-        if pending and rng.random() < 0.5:
-            index, prompt = pending.pop(0)
-            submitted[index] = engine.submit(prompt, RequestParams(max_tokens=rng.randint(1, 20)),
-                                             on_output=lambda o, i=index: o.finished and finals.setdefault(i, o))
-        live = [r for r in submitted.values() if not r.finished]
-        if live and rng.random() < 0.1:
-            engine.cancel(rng.choice(live))
-        engine.step()
-        engine.scheduler.check_invariants()
+    submitted, finals = _random_arrivals(engine, prompts, rng, after_step=engine.scheduler.check_invariants)
     assert sorted(finals) == list(range(len(prompts)))
     for index, request in submitted.items():
         if request.cancelled:
@@ -499,3 +502,35 @@ def test_prefix_caching_is_refused_on_a_hybrid_by_name(spec_pair):
                                          r"--no-prefix-caching"):
         Engine(hybrid, prefix_caching=True, impl="reference")
     assert not Engine(hybrid, max_num_seqs=1, max_model_len=64, page_size=8, impl="reference").prefix_caching
+
+
+def test_batch_invariant_greedy_tokens_in_bfloat16_alone_and_under_load(spec_pair):
+    """``batch_invariant``: a bfloat16 request's greedy tokens are the same decoded alone and
+    beside three greedy and four sampled requests of other lengths, every prefill call and decode
+    chunk at one shape (XLA on a CPU gives a row the same numbers at any shape, so the tokens alone
+    would not tell; the GPU kernels pick tiles by shape); the mode refuses the adaptive policy
+    and leaves prefix caching off."""
+    from dflash_jax.loading.models import load_draft, load_target
+
+    target = load_target(spec_pair.target_dir, "bfloat16")
+    draft = load_draft(spec_pair.draft_dir, target, "bfloat16")
+    settings = dict(max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16, prefill_rows=4, chunk_steps=4,
+                    impl="reference", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant needs speculative_policy 'fixed'"):
+        Engine(target, draft, speculative_policy="adaptive", **settings)
+    engine = Engine(target, draft, **settings)
+    assert not engine.prefix_caching and engine.device.row_buckets == (4,)
+    device, shapes = engine.device, set()       # on a CPU the numbers agree anyway: check the mechanism too
+    prefill_call, chunk = device._prefill_call, device.chunk
+    device._prefill_call = lambda slots, tokens, *rest: shapes.add(("prefill", tokens.shape)) or prefill_call(
+        slots, tokens, *rest)
+    device.chunk = lambda owners: (dispatched := chunk(owners), shapes.add(("chunk", len(dispatched.owners))))[0]
+    prompts = _prompts(8, seed=23)
+    greedy, sampled = RequestParams(max_tokens=24), RequestParams(max_tokens=24, sampling=SamplingConfig(temperature=1.0),
+                                                                 seed=1)
+    together, _ = _run(engine, prompts, [greedy] * 4 + [sampled] * 4)
+    for prompt, request in zip(prompts[:4], together[:4]):
+        [alone], _ = _run(engine, [prompt], greedy)
+        assert alone.token_ids == request.token_ids
+    assert shapes == {("prefill", (4, 16)), ("chunk", 4)}
+    _check_idle(engine)

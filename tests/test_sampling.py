@@ -473,8 +473,9 @@ def test_negative_controls_are_rejected(tiny):
 
 def test_another_temperature_or_top_p_compiles_nothing(random_pair, compilations):
     """Temperature and top-p are run-time values of the compiled prefill and loop; greedy vs
-    sampling, top-k and top-p on or off are what compile."""
-    prompts = [[1, 2, 3, 4], [5, 6]]
+    sampling, top-k and top-p on or off are what compile. (One prompt: with several, how many
+    rows a chunk runs follows when each finishes, and each row count is a program of its own.)"""
+    prompts = [[1, 2, 3, 4, 5, 6]]
 
     def run(**sampling):
         return generate(random_pair.target, prompts, draft=random_pair.draft, max_new_tokens=12,

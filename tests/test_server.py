@@ -4,6 +4,7 @@ settings, streaming, chat, metrics, disconnects, errors; and ``python -m dflash_
 a user starts and stops it."""
 
 import concurrent.futures
+import json
 import logging
 import os
 import re
@@ -21,6 +22,8 @@ import torch
 from builders import write_chat_pair
 
 from dflash_jax.runtime.engine import Engine, RequestParams
+from dflash_jax.runtime.grammar import grammar_from_request
+from dflash_jax.runtime.sampling import SamplingConfig
 from dflash_jax.runtime.generation import generate
 from dflash_jax.loading.models import load_draft, load_target
 from dflash_jax.entrypoints.server import BackgroundServer
@@ -504,3 +507,90 @@ def test_the_server_log_leaves_out_jax_s_info_lines(monkeypatch):
     finally:
         for name, level in before.items():
             logging.getLogger(name).setLevel(level)
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},
+                 "required": ["ok", "n"], "additionalProperties": False,
+                 "x-guidance": {"whitespace_flexible": False}}   # llguidance's option: no free whitespace
+
+
+def _check_answer(text: str) -> None:
+    answer = json.loads(text)
+    assert set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool) and answer["n"] in (1, 22, 333)
+
+
+def test_structured_output_follows_the_grammar_and_dflash_equals_plain(models, server):
+    """response_format json_schema on both routes: schema-valid JSON, DFlash (the adaptive
+    server) greedy equal to plain greedy under the same grammar; sampled answers valid too;
+    guided_regex; a malformed schema is a 400 naming response_format."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    plain = _Server(_engine(models, with_draft=False)).__enter__()
+    try:
+        texts = []
+        for running in (server, plain):
+            client = running.client()
+            whole = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=48,
+                                              temperature=0, extra_body={"response_format": response_format})
+            chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "answer"}],
+                                                  max_tokens=48, temperature=0, response_format=response_format)
+            texts.append((whole.choices[0].text, chat.choices[0].message.content))
+            assert whole.choices[0].finish_reason == chat.choices[0].finish_reason == "stop"
+        assert texts[0] == texts[1]
+        for text in texts[0]:
+            _check_answer(text)
+    finally:
+        plain.__exit__(None, None, None)
+    sampled = server.client().completions.create(model=MODEL, prompt="return n if", max_tokens=48, n=4, seed=3,
+                                                 temperature=1.0, extra_body={"response_format": response_format})
+    for choice in sampled.choices:
+        _check_answer(choice.text)
+    yes_no = server.client().completions.create(model=MODEL, prompt="def", max_tokens=8, temperature=0,
+                                                extra_body={"guided_regex": "(yes|no)"})
+    assert yes_no.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().completions.create(model=MODEL, prompt="def", max_tokens=8, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}})
+    assert refused.value.body["param"] == "response_format"
+
+
+def test_every_feature_mixed_loses_nothing(models):
+    """An engine with adaptive verification, prefix caching, a small pool and grammars, under
+    random arrivals of greedy, sampled and grammar-constrained requests on shared prefixes, some
+    cancelled: the page accounting holds after every step, every request finishes, each greedy
+    free-text request gives its tokens decoded alone, every grammar one valid JSON, and every page
+    comes back free or cached."""
+    import random
+
+    target, draft, tokenizer = models
+    engine = _engine(models, max_num_seqs=3, num_pages=40, speculative_policy="adaptive")
+    grammar = grammar_from_request({"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}})
+    rng = random.Random(5)
+    prefixes = [tokenizer.encode(text) for text in ("def fibonacci(n):\n    return", "return n if n < 2 else")]
+    kinds = ["greedy", "sampled", "grammar"] * 4
+    prompts = [rng.choice(prefixes) + [rng.randint(1, 250) for _ in range(rng.randint(0, 12))] for _ in kinds]
+    params = [RequestParams(max_tokens=rng.randint(4, 24) if kind != "grammar" else 40,
+                            sampling=SamplingConfig(temperature=1.0 if kind == "sampled" else 0.0), seed=rng.randint(0, 9),
+                            grammar=grammar if kind == "grammar" else None) for kind in kinds]
+    pending, submitted = list(range(len(kinds))), {}
+    while pending or engine.has_work():
+        if pending and rng.random() < 0.6:
+            index = pending.pop(0)
+            submitted[index] = engine.submit(prompts[index], params[index])
+        live = [r for i, r in submitted.items() if not r.finished and kinds[i] == "sampled"]
+        if live and rng.random() < 0.05:
+            engine.cancel(rng.choice(live))
+        engine.step()
+        engine.scheduler.check_invariants()
+    assert all(r.finished for r in submitted.values()) and len(submitted) == len(kinds)
+    alone = _engine(models, max_num_seqs=1, speculative_policy="fixed", prefix_caching=False)
+    for index, request in submitted.items():
+        if kinds[index] == "greedy":
+            reference = alone.submit(prompts[index], params[index])
+            alone.run_until_done()
+            assert request.token_ids == reference.token_ids
+        elif kinds[index] == "grammar":
+            assert request.finish_reason == "stop"
+            _check_answer(tokenizer.decode(request.token_ids[:-1]))
+    assert engine.pages_in_use == 0 and engine.scheduler.reserved == 0 and engine.num_running == 0
+    assert len(engine.scheduler.free_pages) + engine.cached_pages == engine.num_pages
+    assert engine.stats.prefix_cache_hits > 0

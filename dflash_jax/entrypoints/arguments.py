@@ -178,11 +178,15 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page")
     p.add_argument("--block-size", type=at_least(2), help="speculation block (default: the draft's trained size)")
     p.add_argument("--chunk-steps", type=at_least(1), default=8, help="decode steps per on-device chunk")
-    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
+    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"),
                    help="with a draft: verify the whole block every step (fixed), or each step the block width "
                         "with the most expected tokens per second for the requests running, from their acceptance "
                         "so far and step times measured at start-up (adaptive; lossless either way) "
-                        "(default: adaptive)")
+                        "(default: adaptive; fixed with --batch-invariant)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's greedy tokens do not depend on what else runs, in bfloat16 too: every "
+                        "program runs at one shape whatever the load (decode chunks of every slot, full prefill "
+                        "calls); the fixed policy, no prefix caching")
     p.add_argument("--prefill-chunk", type=at_least(1), default=512,
                    help="prompt tokens a request prefills per engine step")
     p.add_argument("--max-waiting", type=at_least(1), default=1024, help="queued requests before 503")

@@ -29,7 +29,6 @@ from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.sharding import TensorParallel, make_mesh
 from dflash_jax.runtime.engine import Engine
-from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 
 
 def _log_to_stderr(level_name: str) -> None:
@@ -60,8 +59,7 @@ def _prefix_caching_state(engine: Engine, turned_off: bool) -> str:
         return "on: --no-prefix-caching"
     if turned_off:
         return "off: --no-prefix-caching"
-    draft = None if engine.draft is None else engine.draft.config.model
-    return f"off: {prefix_caching_unsupported(engine.target.config, draft)}"
+    return f"off: {engine.prefix_caching_unsupported}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +112,8 @@ def run(args) -> int:
                         chunk_steps=args.chunk_steps, prefill_chunk=args.prefill_chunk,
                         max_waiting=args.max_waiting, impl=args.impl, seed=args.seed,
                         prefix_caching=False if args.no_prefix_caching else None, accept_replay=args.accept_replay,
-                        speculative_policy=args.speculative_policy)
+                        speculative_policy=args.speculative_policy or ("fixed" if args.batch_invariant else "adaptive"),
+                        batch_invariant=args.batch_invariant)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

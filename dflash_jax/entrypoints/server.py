@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from dflash_jax.runtime.engine import Engine, QueueFullError, RequestOutput, RequestParams
+from dflash_jax.runtime.grammar import grammar_from_request
 from dflash_jax.runtime.sampling import SamplingConfig
 
 log = logging.getLogger("dflash_jax.entrypoints.server")
@@ -104,6 +105,9 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    response_format: dict | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -122,7 +126,10 @@ class ChatRequest(_Sampling):
 # What the request fields that are not plain numbers take, for the errors that name them.
 _SHAPES = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
            "messages": 'a list of {"role", "content"} objects', "stop": "a string or a list of strings",
-           "stop_token_ids": "a list of token ids (integers)", "stream_options": "an object"}
+           "stop_token_ids": "a list of token ids (integers)", "stream_options": "an object",
+           "response_format": 'an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                              '"json_schema": {"name": ..., "schema": {...}}}',
+           "guided_regex": "a regular expression (a string)", "guided_grammar": "a Lark or GBNF grammar (a string)"}
 _TOKEN_COUNTS = ("max_tokens", "max_completion_tokens")
 
 
@@ -166,8 +173,7 @@ def _invalid_body(error: dict, content_type: str) -> str:
 
 # Fields the engine does not implement: refused unless left at their neutral value.
 _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "echo": False,
-                "best_of": None, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": None,
-                "response_format": None}
+                "best_of": None, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": None}
 
 
 class Metrics(prometheus_client.registry.Collector):
@@ -366,9 +372,15 @@ def _params(body: _Sampling, engine: Engine, index: int) -> RequestParams:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+    try:
+        grammar = grammar_from_request(body.response_format, body.guided_regex, body.guided_grammar)
+    except ValueError as error:
+        field = next((f for f in ("response_format", "guided_regex", "guided_grammar") if str(error).startswith(f)),
+                     None)
+        raise APIError(400, str(error), field) from error
     return RequestParams(max_tokens=body.max_tokens or 16, sampling=sampling, seed=body.seed, sample_index=index,
                          stop=stop, stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
-                         logprobs=logprobs)
+                         logprobs=logprobs, grammar=grammar)
 
 
 def _logprobs_json(engine: Engine, logprobs, chat: bool, offset: int = 0) -> dict | None:

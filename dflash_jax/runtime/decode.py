@@ -37,6 +37,7 @@ from dflash_jax.model.collectives import vocab_argmax
 from dflash_jax.model.params import DraftParams, TargetParams
 from dflash_jax.model.sharding import (TensorParallel, cache_specs, draft_layout, local_config, local_draft_config, specs,
                                  target_layout)
+from dflash_jax.runtime.grammar import bitmask_to_bool
 from dflash_jax.runtime.sampling import (SamplingRows, accept_greedy, accept_sampling, choose, leading_run, sample_probs,
                                  sampling_probs, split_keys, token_logprobs, uniform_per_row)
 
@@ -233,6 +234,23 @@ def _accept(key: jax.Array, drafts: jax.Array, draft_probs, logits: jax.Array, b
 ACCEPTANCE_RATE = 0.125   # weight of a step's outcome in a row's moving acceptance estimate
 
 
+def _block_lens(state: DecodeState, width: int) -> jax.Array:
+    """Each row's block [B]: ``width`` tokens, fewer near max_new_tokens (a block never runs past
+    it: the reference shortens its last blocks the same way)."""
+    return jnp.clip(state.max_new_tokens - state.num_generated + 1, 1, width)
+
+
+def draft_block(target: TargetParams, draft: DraftParams | None, state: DecodeState, config: LoopConfig,
+                width: int) -> tuple[jax.Array, jax.Array | None]:
+    """A step's draft tokens [B, width-1] (none without a draft) and, when sampling, their
+    probabilities [B, width-1, V]; drawn with the step's own key (``verify_block`` takes the
+    next one of the same split)."""
+    if config.draft is None:
+        return jnp.zeros((state.last_token.shape[0], 0), jnp.int32), None
+    _, draft_key, _ = split_keys(state.key, 3)
+    return _propose(target, draft, state, _block_lens(state, width), draft_key, config, width)
+
+
 def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeState,
                 config: LoopConfig, replay_alpha: jax.Array | None = None,
                 context_kv_proj: tuple[jax.Array, ...] | None = None, width: int | None = None) -> DecodeState:
@@ -241,22 +259,34 @@ def decode_step(target: TargetParams, draft: DraftParams | None, state: DecodeSt
     exact: the accept rule only ever looks at a prefix). ``context_kv_proj``:
     ``draft_model.context_kv_proj(draft)``, made once outside the loop."""
     width = config.block_size if width is None else width
+    drafts, draft_probs = draft_block(target, draft, state, config, width)
+    return verify_block(target, draft, state, drafts, draft_probs, config, replay_alpha, context_kv_proj)
+
+
+def verify_block(target: TargetParams, draft: DraftParams | None, state: DecodeState, drafts: jax.Array,
+                 draft_probs: jax.Array | None, config: LoopConfig, replay_alpha: jax.Array | None = None,
+                 context_kv_proj: tuple[jax.Array, ...] | None = None, masks: jax.Array | None = None,
+                 block_cap: jax.Array | None = None) -> DecodeState:
+    """Verify, accept and commit ``draft_block``'s drafts [B, width-1]. Structured output:
+    ``masks`` [B, width, ceil(V/32)] int32 bitmasks of the tokens the grammar allows at each block
+    position (``grammar.GrammarMatcher.walk``), applied to the target's logits; ``block_cap`` [B]
+    ends a row's block after its first draft token the grammar rejects (that one still tested,
+    so that rejection sampling draws from the residual as it would: exact in distribution)."""
+    width = drafts.shape[1] + 1
     cache = state.cache
     start = cache.lengths
     active = ~state.done
     remaining = state.max_new_tokens - state.num_generated
-    # A block never runs past max_new_tokens: the reference shortens its last blocks the same way.
-    block_lens = jnp.clip(remaining + 1, 1, width)
-    key, draft_key, accept_key = split_keys(state.key, 3)
-
-    if config.draft is None:
-        drafts, draft_probs = jnp.zeros((start.shape[0], 0), jnp.int32), None
-    else:
-        drafts, draft_probs = _propose(target, draft, state, block_lens, draft_key, config, width)
+    block_lens = _block_lens(state, width)
+    if block_cap is not None:
+        block_lens = jnp.minimum(block_lens, block_cap)
+    key, _, accept_key = split_keys(state.key, 3)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     hidden, taps, cache = target_model.forward(target, config.target, block, start, cache,
                                                tap_layers=config.tap_layers, impl=config.impl)
     logits = target_model.logits(target, hidden)
+    if masks is not None:
+        logits = jnp.where(bitmask_to_bool(masks, logits.shape[-1]), logits, -jnp.inf)
     accepted, bonus = _accept(accept_key, drafts, draft_probs, logits,
                               block_lens, state.sampling, config, replay_alpha)
 
@@ -452,20 +482,22 @@ def release_slots(state: DecodeState, slots: jax.Array) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def prefill_slots(target: TargetParams, draft: DraftParams | None, state: DecodeState, slots: jax.Array,
-                  tokens: jax.Array, prompt_lens: jax.Array, *,
+                  tokens: jax.Array, prompt_lens: jax.Array, first_masks: jax.Array | None = None, *,
                   config: LoopConfig) -> tuple[DecodeState, PrefillOutput]:
     """One chunk of prompt tokens [R, C] for slots [R] (padding rows: slot index >= B), each
     from its committed length on (ragged: every row its own start; positions past a prompt's
     end are scratch). A row whose prompt ends in the chunk gets its first token, chosen with its
-    own settings and key, and starts decoding; the host reads it at once (``PrefillOutput``)."""
+    own settings and key (under the grammar's mask ``first_masks`` [R, ceil(V/32)] when given:
+    structured output), and starts decoding; the host reads it at once (``PrefillOutput``)."""
     if config.tensor_parallel is not None:
         body = functools.partial(_prefill_slots, config=config.local())
         specs_of_state = state_specs(state, config.tensor_parallel)
         logprob_specs = None if state.logprobs is None else TokenLogprobs(P(), P(), P())
-        return _on_mesh(body, config, (target, draft, state, slots, tokens, prompt_lens),
-                        (*_param_specs(target, draft, config), specs_of_state, P(), P(), P()),
+        return _on_mesh(body, config, (target, draft, state, slots, tokens, prompt_lens, first_masks),
+                        (*_param_specs(target, draft, config), specs_of_state, P(), P(), P(),
+                         None if first_masks is None else P()),
                         (specs_of_state, PrefillOutput(P(), P(), logprob_specs)))
-    return _prefill_slots(target, draft, state, slots, tokens, prompt_lens, config=config)
+    return _prefill_slots(target, draft, state, slots, tokens, prompt_lens, first_masks, config=config)
 
 
 @struct.dataclass
@@ -480,7 +512,7 @@ class PrefillOutput:
 
 
 def _prefill_slots(target: TargetParams, draft: DraftParams | None, state: DecodeState, slots: jax.Array,
-                   tokens: jax.Array, prompt_lens: jax.Array, *,
+                   tokens: jax.Array, prompt_lens: jax.Array, first_masks: jax.Array | None, *,
                    config: LoopConfig) -> tuple[DecodeState, PrefillOutput]:
     cache = state.cache
     rows = lambda pool: tuple(None if x is None else _take(x, slots) for x in pool)  # noqa: E731
@@ -496,6 +528,8 @@ def _prefill_slots(target: TargetParams, draft: DraftParams | None, state: Decod
     sampling = jax.tree.map(lambda x: x[clipped], state.sampling)
     keys, first_keys = split_keys(state.key[clipped], 2)
     logits = target_model.logits(target, last)
+    if first_masks is not None:
+        logits = jnp.where(bitmask_to_bool(first_masks, logits.shape[-1]), logits, -jnp.inf)
     first = choose(first_keys, logits, sampling, config.target.tensor_axis)
     done = _is_stop(first[:, None], state.stop_tokens[clipped])[:, 0] | (state.max_new_tokens[clipped] <= 1)
     started = jnp.where(ends, slots, state.done.shape[0])  # rows whose prompt ended
@@ -579,14 +613,49 @@ def _engine_chunk(target: TargetParams, draft: DraftParams | None, state: Decode
                   steps_per_check: int) -> tuple[DecodeState, ChunkOutput]:
     sub = _decode_chunk(target, draft, _gather_rows(state, rows), replay_alpha, step_costs, config=config,
                         num_steps=num_steps, steps_per_check=steps_per_check)
+    return _scatter_rows(state, rows, sub), _chunk_output(sub, seen, seen_steps, num_steps, config.block_size)
+
+
+def _chunk_output(sub: DecodeState, seen: jax.Array, seen_steps: jax.Array, num_steps: int,
+                  block_size: int) -> ChunkOutput:
+    """The rows' windows after up to ``num_steps`` steps: tokens from ``seen`` [R] on, per-step
+    counts from ``seen_steps`` [R] on (``ChunkOutput``)."""
     cut = lambda values, starts, width: jax.vmap(  # noqa: E731
         lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width))(values, starts)
-    width = 2 * num_steps * config.block_size + 1
+    width = 2 * num_steps * block_size + 1
     logprobs = None if sub.logprobs is None else jax.tree.map(lambda x: cut(x, seen, width), sub.logprobs)
-    output = ChunkOutput(tokens=cut(sub.tokens, seen, width), num_generated=sub.num_generated, done=sub.done,
-                         steps=sub.steps, accept_lengths=cut(sub.accept_lengths, seen_steps, 2 * num_steps),
-                         verified=cut(sub.verified, seen_steps, 2 * num_steps), logprobs=logprobs)
-    return _scatter_rows(state, rows, sub), output
+    return ChunkOutput(tokens=cut(sub.tokens, seen, width), num_generated=sub.num_generated, done=sub.done,
+                       steps=sub.steps, accept_lengths=cut(sub.accept_lengths, seen_steps, 2 * num_steps),
+                       verified=cut(sub.verified, seen_steps, 2 * num_steps), logprobs=logprobs)
+
+
+# ----------------------------------------------------------------------------- structured output
+#
+# A request under a grammar takes its steps one at a time, the host between the draft and the
+# verify: ``grammar_draft`` gives the rows' draft tokens; the host walks them through each row's
+# matcher (``grammar.GrammarMatcher.walk``: a mask per block position, and where the first token
+# the grammar rejects is); ``grammar_verify`` verifies under those masks and commits.
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def grammar_draft(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array, *,
+                  config: LoopConfig) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens [R, block-1] (and their probabilities when sampling) of slots ``rows`` [R]
+    (padding: an index >= B); the state is left as it is."""
+    return draft_block(target, draft, _gather_rows(state, rows), config, config.block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def grammar_verify(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
+                   drafts: jax.Array, draft_probs: jax.Array | None, masks: jax.Array, block_cap: jax.Array,
+                   seen: jax.Array, seen_steps: jax.Array, *, config: LoopConfig) -> tuple[DecodeState, ChunkOutput]:
+    """One step of slots ``rows`` [R] on ``grammar_draft``'s drafts under the grammar's ``masks``
+    [R, block, ceil(V/32)] and ``block_cap`` [R] (``verify_block``); their windows as an engine
+    chunk of one step gives them (``ChunkOutput``)."""
+    kv_proj = None if draft is None else draft_model.context_kv_proj(draft)
+    sub = verify_block(target, draft, _gather_rows(state, rows), drafts, draft_probs, config, None, kv_proj,
+                       masks=masks, block_cap=block_cap)
+    return _scatter_rows(state, rows, sub), _chunk_output(sub, seen, seen_steps, 1, config.block_size)
 
 
 # ----------------------------------------------------------------------------- tensor parallelism

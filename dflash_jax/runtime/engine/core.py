@@ -3,12 +3,14 @@ scheduler, the device state, the output processor)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from dflash_jax.loading.models import Draft, Target
@@ -21,6 +23,7 @@ from dflash_jax.runtime.engine.device import Device, DispatchedChunk, default_nu
 from dflash_jax.runtime.engine.output import EngineStats, OutputProcessor
 from dflash_jax.runtime.engine.prefix_cache import prefix_caching_unsupported
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request, RequestOutput, RequestParams
+from dflash_jax.runtime.grammar import GrammarMatcher, grammar_tokenizer
 from dflash_jax.runtime.engine.scheduler import QueueFullError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,10 @@ class Engine:
     verifies, each step, the block width (2, 4, 8, ... up to the block) with the most expected
     tokens per second for the requests running, from each request's acceptance so far and a
     step's time at each width measured on the device (``Device.calibrate``, at ``warmup`` or
-    before the first request): lossless either way."""
+    before the first request): lossless either way. batch_invariant: every program runs at one
+    shape whatever the load (all slots in each decode chunk, full prefill calls), so a request's
+    greedy tokens do not depend on what runs beside it, in bfloat16 too; it needs the fixed
+    policy and leaves prefix caching off."""
 
     def __init__(self, target: Target, draft: Draft | None = None, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_pages: int | None = None,
@@ -56,7 +62,7 @@ class Engine:
                  max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
                  prefix_caching: bool | None = None, accept_replay: float | None = None,
-                 speculative_policy: str = "fixed"):
+                 speculative_policy: str = "fixed", batch_invariant: bool = False):
         config = target.config
         for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size), ("chunk_steps", chunk_steps),
                             ("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
@@ -64,7 +70,13 @@ class Engine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_page_size(config, page_size)
+        if batch_invariant and speculative_policy == "adaptive" and draft is not None:
+            raise ValueError("batch_invariant needs speculative_policy 'fixed' (adaptive widths follow the load)")
         unsupported = prefix_caching_unsupported(config, None if draft is None else draft.config.model)
+        if batch_invariant and not unsupported:
+            unsupported = ("batch-invariant mode: a prompt after a cached prefix is prefilled in other chunks than "
+                           "the same prompt alone, so its numbers could differ")
+        self.prefix_caching_unsupported = unsupported
         if prefix_caching and unsupported:
             raise ValueError(f"prefix caching is not supported here: {unsupported}. Leave prefix_caching unset "
                              "(off for such models) or pass False; the server: --no-prefix-caching")
@@ -81,6 +93,9 @@ class Engine:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         if speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}, got {speculative_policy!r}")
+        if speculative_policy == "adaptive" and draft is not None and jax.process_count() > 1:
+            raise ValueError("speculative_policy 'adaptive' runs in one process (each process would time its own "
+                             "step costs and choose its own widths); use 'fixed' across several processes")
         if accept_replay is not None and (draft is None or not 0 <= accept_replay <= 1):
             raise ValueError(f"accept_replay needs a draft and a probability in [0, 1], got {accept_replay}")
         self.config = LoopConfig(target=config, draft=None if draft is None else draft.config,
@@ -128,7 +143,8 @@ class Engine:
                              page_size=page_size, pages_per_seq=self.pages_per_seq, max_model_len=self.max_model_len,
                              chunk_steps=chunk_steps, steps_per_check=self.steps_per_check,
                              prefill_chunk=self.prefill_chunk, top_k_cap=top_k_cap, max_logprobs=max_logprobs,
-                             eos_ids=self.eos_ids, seed=seed, accept_replay=accept_replay)
+                             eos_ids=self.eos_ids, seed=seed, accept_replay=accept_replay,
+                             prefill_rows=min(prefill_rows, max_num_seqs) if batch_invariant else None)
 
     # ------------------------------------------------------------------ requests
 
@@ -160,6 +176,14 @@ class Engine:
         if params.logprobs is not None and not 0 <= params.logprobs <= self.max_logprobs:
             raise ValueError(f"logprobs must be in [0, {self.max_logprobs}] (this engine's max_logprobs), got "
                              f"{params.logprobs}")
+        if params.grammar is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer (the engine has none)")
+            if self.target.tensor_parallel is not None:
+                raise ValueError("structured output under tensor parallelism is not supported yet (--tp 1)")
+            if self.device.replay_alpha is not None:
+                raise ValueError("structured output needs the target's own acceptance (this engine replays "
+                                 "acceptance: accept_replay, a benchmark setting)")
         pages = self.scheduler.pages_for(len(prompt_ids), params.max_tokens)
         if pages > self.num_pages:
             raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, more than the engine's "
@@ -178,6 +202,8 @@ class Engine:
                           on_output=on_output or (lambda output: None))
         if self.tokenizer is not None:
             request.stream = TextStream(self.tokenizer)
+        if params.grammar is not None:
+            request.matcher = GrammarMatcher(self.grammar_tokenizer, params.grammar)
         with self._lock:
             if not self._accepting:
                 raise QueueFullError("the engine is shutting down")
@@ -190,6 +216,12 @@ class Engine:
         with self._lock:
             request.cancelled = True
             self._lock.notify_all()
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        """llguidance's view of the tokenizer (``grammar.grammar_tokenizer``), built at the first
+        request under a grammar (seconds for a 150k vocabulary) and shared by all."""
+        return grammar_tokenizer(self.tokenizer, self.target.config.vocab_size)
 
     @property
     def accepting(self) -> bool:
@@ -237,6 +269,7 @@ class Engine:
             if prefilled is not None:
                 output, rows = prefilled
                 self.output.first_tokens(self.device.read(output), rows)
+            self._grammar_step()
             previous, self._in_flight = self._in_flight, chunk
             if previous is not None:
                 self.output.chunk_tokens(self.device.read(previous.output), previous)
@@ -368,7 +401,7 @@ class Engine:
 
     def _dispatch_chunk(self) -> DispatchedChunk | None:
         """Grow pages for two chunks ahead (the host's counts lag one chunk), then dispatch a
-        decode chunk."""
+        decode chunk for the decoding requests without a grammar."""
         owners = self.scheduler.decoding()
         decoding = [r for r in owners if r is not None]
         if not decoding:
@@ -377,8 +410,16 @@ class Engine:
         grown = self.scheduler.grow(decoding, {r: len(r.prompt_ids) + r.delivered + ahead for r in decoding})
         if grown:
             self.device.set_pages(grown)
-        return self.device.chunk(owners)
+        owners = [None if r is None or r.matcher is not None else r for r in owners]
+        return self.device.chunk(owners) if any(owners) else None
 
+    def _grammar_step(self) -> None:
+        """One step of the decoding requests under grammars, their tokens delivered at once (the
+        next step's masks depend on them; ``Device.grammar_step``)."""
+        requests = [r for r in self.scheduler.decoding() if r is not None and r.matcher is not None
+                    and r.delivered and not r.finished]
+        if requests:
+            self.output.chunk_tokens(*self.device.grammar_step(requests))
     def _release(self, request: Request) -> None:
         """A finishing request's slot and pages back; the device frees the slots of a step's
         finished requests together (``_free_released``), before any slot is handed out again."""

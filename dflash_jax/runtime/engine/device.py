@@ -23,7 +23,9 @@ from dflash_jax.model.cache import cache_bytes_per_device, check_cache_fits, dev
 from dflash_jax.model.config import ModelConfig
 from dflash_jax.model.sharding import TensorParallel, replicated
 from dflash_jax.runtime.decode import (ChunkOutput, DecodeState, LoopConfig, PrefillOutput, TokenLogprobs, admit_slots,
-                                       bucket, engine_chunk, prefill_slots, release_slots, set_page_rows)
+                                       bucket, engine_chunk, grammar_draft, grammar_verify, prefill_slots,
+                                       release_slots, set_page_rows)
+from dflash_jax.runtime.grammar import bitmask_width
 from dflash_jax.runtime.engine.request import MAX_STOP_TOKEN_IDS, Request
 from dflash_jax.runtime.sampling import SamplingConfig, SamplingRows
 from pallas_kernels.sizes import next_power_of_2
@@ -118,12 +120,14 @@ class Device:
     """The decode state of ``slots`` slots over a pool of ``num_pages`` pages, and the calls of
     the jitted programs on it (``decode``: admit_slots, set_page_rows, release_slots,
     prefill_slots, engine_chunk). With ``config.adaptive``, ``step_costs`` maps each row
-    bucket to a step's measured seconds at each verify width (``calibrate``)."""
+    bucket to a step's measured seconds at each verify width (``calibrate``). With
+    ``prefill_rows`` (batch-invariant engines) every program has one shape: decode chunks run
+    every slot, prefill calls that many rows of ``prefill_chunk`` tokens."""
 
     def __init__(self, target: Target, draft: Draft | None, config: LoopConfig, *, slots: int, num_pages: int,
                  page_size: int, pages_per_seq: int, max_model_len: int, chunk_steps: int, steps_per_check: int,
                  prefill_chunk: int, top_k_cap: int, max_logprobs: int, eos_ids: list[int], seed: int,
-                 accept_replay: float | None):
+                 accept_replay: float | None, prefill_rows: int | None = None):
         self.target, self.draft, self.config = target, draft, config
         self.slots, self.num_pages, self.page_size, self.pages_per_seq = slots, num_pages, page_size, pages_per_seq
         self.max_model_len, self.chunk_steps, self.steps_per_check = max_model_len, chunk_steps, steps_per_check
@@ -132,7 +136,8 @@ class Device:
         self._key = jax.random.key(seed)
         self.replay_alpha = None if accept_replay is None else replicated(jnp.float32(accept_replay),
                                                                          target.tensor_parallel)
-        self.row_buckets = row_buckets(slots)
+        self.fixed_prefill_rows = prefill_rows
+        self.row_buckets = row_buckets(slots) if prefill_rows is None else (slots,)
         self.step_costs: dict[int, np.ndarray] | None = None
         self.state = self.empty_state()
 
@@ -197,6 +202,8 @@ class Device:
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(rows, tokens) of a prefill call: rows a power of two, tokens a power of four from 16 up
         to ``prefill_chunk`` (few shapes to compile; short remainders pad at most 4x)."""
+        if self.fixed_prefill_rows is not None:
+            return bucket(self.fixed_prefill_rows, per_doubling=1), self.prefill_chunk
         chunk = 16
         while chunk < min(longest, self.prefill_chunk):
             chunk *= 4
@@ -212,16 +219,49 @@ class Device:
             piece = request.prompt_ids[request.prefilled:request.prefilled + chunk]
             tokens[row, :len(piece)] = piece
             slots[row], lens[row] = request.slot, len(request.prompt_ids)
-        self.state, output = self._prefill_call(slots, tokens, lens)
+        masks = None   # structured output: the first token under its grammar; the other rows allow all
+        if any(r.matcher is not None for r in rows):
+            masks = np.full((count, bitmask_width(self.target.config.vocab_size)), -1, np.int32)
+            for row, request in enumerate(rows):
+                if request.matcher is not None:
+                    request.matcher.allowed(into=masks[row])
+        self.state, output = self._prefill_call(slots, tokens, lens, masks)
         jax.tree.map(lambda x: x.copy_to_host_async(), output)
         for request in rows:
             request.prefilled = min(len(request.prompt_ids), request.prefilled + chunk)
         return output
 
-    def _prefill_call(self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray):
+    def _prefill_call(self, slots: np.ndarray, tokens: np.ndarray, lens: np.ndarray, masks: np.ndarray | None = None):
         return prefill_slots(self.target.params, self._draft_params, self.state,
-                             *replicated((jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lens)),
-                                         self.target.tensor_parallel), config=self.config)
+                             *replicated((jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lens),
+                                          None if masks is None else jnp.asarray(masks)), self.target.tensor_parallel),
+                             config=self.config)
+
+    def grammar_step(self, requests: list[Request]) -> tuple[ChunkOutput, DispatchedChunk]:
+        """One step of the decoding requests under grammars (structured output), on the smallest
+        row bucket holding them: their draft tokens read back, walked through each request's
+        matcher (a mask per block position; the block ends after the first token the grammar
+        rejects), then verified under those masks. Returns the step's output, read, and the
+        rows' window bookkeeping (as a decode chunk's)."""
+        count = self.row_bucket(len(requests))
+        rows = np.asarray([r.slot for r in requests] + [self.slots] * (count - len(requests)), np.int32)
+        owners = requests + [None] * (count - len(requests))
+        tp, block = self.target.tensor_parallel, self.config.block_size
+        drafts, draft_probs = grammar_draft(self.target.params, self._draft_params, self.state,
+                                            replicated(jnp.asarray(rows), tp), config=self.config)
+        drafts_host = _on_host(drafts)
+        masks = np.full((count, block, bitmask_width(self.target.config.vocab_size)), -1, np.int32)
+        cap = np.full((count,), block, np.int32)
+        for row, request in enumerate(requests):
+            masks[row], legal = request.matcher.walk(drafts_host[row])
+            cap[row] = min(legal + 2, block)     # through the first rejected draft token: it is still tested
+        seen = np.asarray([0 if r is None else r.delivered for r in owners], np.int32)
+        seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)
+        self.state, output = grammar_verify(
+            self.target.params, self._draft_params, self.state, *replicated(
+                (jnp.asarray(rows), drafts, draft_probs, jnp.asarray(masks), jnp.asarray(cap), jnp.asarray(seen),
+                 jnp.asarray(seen_steps)), tp), config=self.config)
+        return _on_host(output), DispatchedChunk(output, owners, seen, seen_steps)
 
     def row_bucket(self, count: int) -> int:
         """The rows a chunk of ``count`` decoding requests runs (``row_buckets``)."""

@@ -134,6 +134,8 @@ class OutputProcessor:
         cuts the text before it and the tokens after the one that completes it, and finishes
         the request."""
         before = len(request.token_ids)
+        if request.matcher is not None:
+            request.matcher.advance(new)
         request.token_ids += new
         request.accept_lengths += steps
         logprobs, request.pending_logprobs = request.pending_logprobs, []

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from dflash_jax.loading.tokenizer import TextStream
+from dflash_jax.runtime.grammar import GrammarMatcher
 from dflash_jax.runtime.sampling import SamplingConfig
 
 MAX_STOP_TOKEN_IDS = 16   # stop token ids a request may give (besides the model's end-of-sequence ids)
@@ -18,7 +19,8 @@ class RequestParams:
     tells apart the n samples of one prompt under one seed. ``stop``: strings that end the
     output (matched on the text, not included in it); ``stop_token_ids``: tokens that end it
     (included in the tokens, not in the text); ``ignore_eos``: the model's end-of-sequence
-    tokens do not stop it."""
+    tokens do not stop it; ``grammar``: llguidance's grammar the output must follow (structured
+    output, ``grammar.grammar_from_request``), None for free text."""
 
     max_tokens: int = 16
     sampling: SamplingConfig = SamplingConfig()
@@ -28,6 +30,7 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
+    matcher: GrammarMatcher | None = None   # the grammar's state over the tokens delivered (structured output)
 
     @property
     def finished(self) -> bool:
