@@ -2,14 +2,16 @@
 concurrent streaming clients (the async ``openai`` client), plain decoding against DFlash with
 acceptance replayed at ``--alpha``; the offline engine on the same batches in the same run.
 
-Per concurrency c: a server with c slots (``--max-num-seqs c``) in this process (uvicorn in a
+Per concurrency c: a server with c slots (or ``--max-num-seqs``), DFlash under
+``--speculative-policy`` (adaptive, as ``serve``'s default), in this process (uvicorn in a
 thread, 127.0.0.1, a free port); c clients each send ``--rounds`` requests one after another
 (prompts of ``--prompt-len`` random token ids, ``--max-tokens`` new tokens, ``ignore_eos``), all
 streamed. The clients run in a process of their own (as vLLM's serving benchmark does), so
-their parsing does not take the server's interpreter lock. Reports output tok/s (all tokens over the wall time), TTFT p50/p99, effective TPOT
-(per request: time after the first token over the tokens after it; mean), ITL p99 (gaps between
-streamed chunks: DFlash delivers bursts), mean acceptance (tokens per DFlash step, from the
-server's spec-decode counters), and the offline engine's tok/s on the same prompts with c slots.
+their parsing does not take the server's interpreter lock. Reports output tok/s (all tokens over
+the wall time), TTFT p50/p99, effective TPOT (per request: time after the first token over the
+tokens after it; mean), ITL p99 (gaps between streamed chunks: DFlash delivers bursts), mean
+acceptance (tokens per DFlash step, from the server's spec-decode counters), the mean block width
+verified, and the offline engine's tok/s on the same prompts with c slots.
 ``--soak-seconds S`` then keeps ``--soak-concurrency`` clients busy for S seconds against one
 DFlash server and reports its KV pages in use and the device's memory before and after.
 
