@@ -534,3 +534,23 @@ def test_batch_invariant_greedy_tokens_in_bfloat16_alone_and_under_load(spec_pai
         assert alone.token_ids == request.token_ids
     assert shapes == {("prefill", (4, 16)), ("chunk", 4)}
     _check_idle(engine)
+
+
+def test_a_failed_calibration_aborts_the_waiting_requests(spec_pair, monkeypatch):
+    """Adaptive verification whose step-cost measurement fails: the step raises, the waiting
+    request finishes with "abort" and the error (it is not left waiting), and a later request
+    runs once the measurement works."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=1, max_model_len=64, page_size=8, chunk_steps=2,
+                    impl="reference", speculative_policy="adaptive")
+    real = engine.device.calibrate
+    monkeypatch.setattr(engine.device, "calibrate", lambda: (_ for _ in ()).throw(RuntimeError("device fault")))
+    finals = []
+    engine.submit([5, 6, 7], RequestParams(max_tokens=4), on_output=lambda out: out.finished and finals.append(out))
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    [final] = finals
+    assert final.finish_reason == "abort" and "device fault" in final.error and engine.num_waiting == 0
+    monkeypatch.setattr(engine.device, "calibrate", lambda: real(context=8, repeats=1))
+    [request], _ = _run(engine, [[5, 6, 7]], RequestParams(max_tokens=4))
+    assert request.token_ids == _alone(spec_pair.target, [5, 6, 7], 4, spec_pair.draft)
+    _check_idle(engine)

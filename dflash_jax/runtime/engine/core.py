@@ -364,13 +364,23 @@ class Engine:
 
     def _calibrate_once(self) -> None:
         """With the adaptive policy, measure the step costs (``Device.calibrate``) before the
-        first request is admitted (it runs on the live state); nothing otherwise."""
+        first request is admitted (it runs on the live state); nothing otherwise. If that fails,
+        the waiting requests finish with "abort" and the error (none is left waiting on an
+        engine that cannot step), the state is rebuilt, and the error is raised; the next
+        request tries again."""
         if self.config.adaptive and self.device.step_costs is None:
             if self.scheduler.running or self._in_flight is not None:
                 raise RuntimeError("the step costs are measured before any request is admitted")
             log.info("measuring a decode step's time at each verify width %s (adaptive verification)",
                      self.config.widths)
-            self.device.calibrate()
+            try:
+                self.device.calibrate()
+            except Exception as error:
+                self.device.reset()
+                message = f"measuring the step costs of adaptive verification failed: {type(error).__name__}: {error}"
+                while self.scheduler.waiting:
+                    self.output.finish(self.scheduler.waiting.popleft(), "abort", error=message)
+                raise
 
     # ------------------------------------------------------------------ internals
 
