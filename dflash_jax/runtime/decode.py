@@ -648,12 +648,16 @@ def grammar_draft(target: TargetParams, draft: DraftParams | None, state: Decode
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def grammar_verify(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
                    drafts: jax.Array, draft_probs: jax.Array | None, masks: jax.Array, block_cap: jax.Array,
-                   seen: jax.Array, seen_steps: jax.Array, *, config: LoopConfig) -> tuple[DecodeState, ChunkOutput]:
+                   seen: jax.Array, seen_steps: jax.Array, replay_alpha: jax.Array | None = None, *,
+                   config: LoopConfig) -> tuple[DecodeState, ChunkOutput]:
     """One step of slots ``rows`` [R] on ``grammar_draft``'s drafts under the grammar's ``masks``
-    [R, block, ceil(V/32)] and ``block_cap`` [R] (``verify_block``); their windows as an engine
-    chunk of one step gives them (``ChunkOutput``)."""
+    [R, block, ceil(V/32)] and ``block_cap`` [R] (``verify_block``; ``replay_alpha`` exactly when
+    ``config.accept_replay``, as ``engine_chunk``); their windows as an engine chunk of one step
+    gives them (``ChunkOutput``)."""
+    if config.accept_replay != (replay_alpha is not None):
+        raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
     kv_proj = None if draft is None else draft_model.context_kv_proj(draft)
-    sub = verify_block(target, draft, _gather_rows(state, rows), drafts, draft_probs, config, None, kv_proj,
+    sub = verify_block(target, draft, _gather_rows(state, rows), drafts, draft_probs, config, replay_alpha, kv_proj,
                        masks=masks, block_cap=block_cap)
     return _scatter_rows(state, rows, sub), _chunk_output(sub, seen, seen_steps, 1, config.block_size)
 

@@ -181,9 +181,6 @@ class Engine:
                 raise ValueError("structured output needs a tokenizer (the engine has none)")
             if self.target.tensor_parallel is not None:
                 raise ValueError("structured output under tensor parallelism is not supported yet (--tp 1)")
-            if self.device.replay_alpha is not None:
-                raise ValueError("structured output needs the target's own acceptance (this engine replays "
-                                 "acceptance: accept_replay, a benchmark setting)")
         pages = self.scheduler.pages_for(len(prompt_ids), params.max_tokens)
         if pages > self.num_pages:
             raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, more than the engine's "

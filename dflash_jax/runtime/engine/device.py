@@ -252,15 +252,19 @@ class Device:
         drafts_host = _on_host(drafts)
         masks = np.full((count, block, bitmask_width(self.target.config.vocab_size)), -1, np.int32)
         cap = np.full((count,), block, np.int32)
+        # The block runs through the first draft token the grammar rejects: the target still tests it
+        # (so rejection sampling draws from the residual as it must). Replayed acceptance (benchmarks)
+        # does not test tokens, so there the block ends before it.
+        tested = 1 if self.replay_alpha is not None else 2
         for row, request in enumerate(requests):
             masks[row], legal = request.matcher.walk(drafts_host[row])
-            cap[row] = min(legal + 2, block)     # through the first rejected draft token: it is still tested
+            cap[row] = min(legal + tested, block)
         seen = np.asarray([0 if r is None else r.delivered for r in owners], np.int32)
         seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in owners], np.int32)
         self.state, output = grammar_verify(
             self.target.params, self._draft_params, self.state, *replicated(
                 (jnp.asarray(rows), drafts, draft_probs, jnp.asarray(masks), jnp.asarray(cap), jnp.asarray(seen),
-                 jnp.asarray(seen_steps)), tp), config=self.config)
+                 jnp.asarray(seen_steps)), tp), self.replay_alpha, config=self.config)
         return _on_host(output), DispatchedChunk(output, owners, seen, seen_steps)
 
     def row_bucket(self, count: int) -> int:
