@@ -397,8 +397,8 @@ def test_adaptive_verification_keeps_greedy_tokens(spec_pair):
     assert sorted(measured) == [1, 2, 3] and all(np.all(np.isfinite(c)) and np.all(c > 0) for c in measured.values())
     engine.device.step_costs = {rows: np.asarray([1.0, 1.5, 2.0, 2.5]) for rows in measured}
     chunk, rows_run = engine.device.chunk, []                 # (requests decoding, rows the chunk ran)
-    engine.device.chunk = lambda owners: rows_run.append((sum(r is not None for r in owners), len(
-        (dispatched := chunk(owners)).owners))) or dispatched
+    engine.device.chunk = lambda owners, steps=None: rows_run.append((sum(r is not None for r in owners), len(
+        (dispatched := chunk(owners, steps)).owners))) or dispatched
     prompts = _prompts(5, seed=17)
     max_tokens = [40, 12, 33, 1, 24]
     requests, _ = _run(engine, prompts, [RequestParams(max_tokens=m) for m in max_tokens])
@@ -411,6 +411,54 @@ def test_adaptive_verification_keeps_greedy_tokens(spec_pair):
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
     assert all(a <= r <= v for a, r, v in zip(stats.accepted_per_position, stats.reached_per_position,
                                                stats.verified_per_position))
+    _check_idle(engine)
+
+
+def test_a_burst_of_arrivals_is_prefilled_beside_decoding_within_the_step_budget(spec_pair):
+    """Mixed steps: two requests decoding, then a burst of two long prompts. While prompts wait,
+    every engine step runs a prefill call and a decode chunk holding every decoding request (a
+    burst never stalls decoding); the chunk takes the steps that fit max_num_batched_tokens beside
+    the prefill call (at least one), the step's tokens (prefill call + chunk steps x rows x block)
+    stay within it unless one prefill row alone does not fit; chunks are shortened while prompts
+    wait and whole once none does; greedy tokens equal decoding alone."""
+    budget, block = 96, spec_pair.draft.config.block_size
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=4, max_model_len=96, page_size=8,
+                    prefill_chunk=16, prefill_rows=2, chunk_steps=4, steps_per_check=1, num_pages=60,
+                    impl="reference", max_num_batched_tokens=budget, prefix_caching=False)
+    steps_log: list[dict] = []
+    prefill, chunk = engine.device.prefill, engine.device.chunk
+
+    def recorded_prefill(rows):
+        count, tokens = engine.device.prefill_shape(len(rows), max(len(r.prompt_ids) - r.prefilled for r in rows))
+        steps_log.append(dict(prefill=count * tokens, prefill_rows=len(rows)))
+        return prefill(rows)
+
+    def recorded_chunk(owners, steps=None):
+        dispatched = chunk(owners, steps)
+        entry = steps_log[-1] if steps_log and "steps" not in steps_log[-1] else steps_log.append({}) or steps_log[-1]
+        entry.update(steps=steps, rows=len(dispatched.owners), owners={r for r in owners if r is not None},
+                     waiting=bool(engine.scheduler.prefilling(1)))
+        return dispatched
+
+    engine.device.prefill, engine.device.chunk = recorded_prefill, recorded_chunk
+    early = [engine.submit(p, RequestParams(max_tokens=30)) for p in _prompts(2, seed=5, longest=8)]
+    while not all(r.decoding for r in early):
+        engine.step()
+    burst_prompts = np.random.default_rng(6).integers(1, 120, size=(2, 56)).tolist()   # 4 prefill calls each
+    burst = [engine.submit(p, RequestParams(max_tokens=4)) for p in burst_prompts]
+    steps_log.clear()
+    engine.run_until_done()
+    mixed = [s for s in steps_log if s.get("waiting")]
+    assert len(mixed) >= 3
+    for entry in mixed:
+        assert "prefill" in entry and {r for r in early if not r.finished} <= entry["owners"]
+        step_tokens = entry["rows"] * block
+        assert entry["steps"] == max(1, min(engine.chunk_steps, (budget - entry["prefill"]) // step_tokens))
+        assert entry["prefill"] + entry["steps"] * step_tokens <= budget or entry["prefill_rows"] == 1
+    assert any(entry["steps"] < engine.chunk_steps for entry in mixed)
+    assert any(s.get("steps") == engine.chunk_steps for s in steps_log if not s.get("waiting"))
+    for prompt, m, request in zip(_prompts(2, seed=5, longest=8) + burst_prompts, [30] * 2 + [4] * 2, early + burst):
+        assert request.token_ids == _alone(spec_pair.target, prompt, m, spec_pair.draft)
     _check_idle(engine)
 
 
@@ -524,7 +572,8 @@ def test_batch_invariant_greedy_tokens_in_bfloat16_alone_and_under_load(spec_pai
     prefill_call, chunk = device._prefill_call, device.chunk
     device._prefill_call = lambda slots, tokens, *rest: shapes.add(("prefill", tokens.shape)) or prefill_call(
         slots, tokens, *rest)
-    device.chunk = lambda owners: (dispatched := chunk(owners), shapes.add(("chunk", len(dispatched.owners))))[0]
+    device.chunk = lambda owners, steps=None: (dispatched := chunk(owners, steps),
+                                               shapes.add(("chunk", len(dispatched.owners))))[0]
     prompts = _prompts(8, seed=23)
     greedy, sampled = RequestParams(max_tokens=24), RequestParams(max_tokens=24, sampling=SamplingConfig(temperature=1.0),
                                                                  seed=1)

@@ -194,7 +194,8 @@ def size_for_topology(target_config, draft_config, *, topology: str, tp: int = 1
         f"prefill ({rows} rows x {chunk} tokens)": lambda: prefill_slots.lower(
             target, draft, state, ints(rows), ints(rows, chunk), ints(rows), config=config),
         ("DFlash step" if draft is not None else "decode step") + f" (bs {max_num_seqs})": lambda: engine_chunk.lower(
-            target, draft, state, ints(max_num_seqs), ints(max_num_seqs), ints(max_num_seqs), None, config=config,
+            target, draft, state, ints(max_num_seqs), ints(max_num_seqs), ints(max_num_seqs), None, None, ints(),
+            config=config,
             num_steps=chunk_steps, steps_per_check=default_steps_per_check(chunk_steps)),
     }
     reports, problem = [], None

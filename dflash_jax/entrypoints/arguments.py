@@ -189,6 +189,11 @@ def serve_parser() -> argparse.ArgumentParser:
                         "calls); the fixed policy, no prefix caching")
     p.add_argument("--prefill-chunk", type=at_least(1), default=512,
                    help="prompt tokens a request prefills per engine step")
+    p.add_argument("--max-num-batched-tokens", type=at_least(1),
+                   help="while prompts wait to be prefilled, the tokens an engine step computes: its prefill "
+                        "call's beside its decode chunk's (steps x rows x block); every step runs both, so a "
+                        "burst of arrivals never stalls decoding (default: 8 rows x --prefill-chunk beside one "
+                        "group of decode steps of every slot)")
     p.add_argument("--max-waiting", type=at_least(1), default=1024, help="queued requests before 503")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="prefill every prompt whole instead of reusing the KV pages of prompt prefixes seen before "

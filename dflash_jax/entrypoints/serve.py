@@ -110,6 +110,7 @@ def run(args) -> int:
         engine = Engine(target, draft, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,
                         chunk_steps=args.chunk_steps, prefill_chunk=args.prefill_chunk,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, impl=args.impl, seed=args.seed,
                         prefix_caching=False if args.no_prefix_caching else None, accept_replay=args.accept_replay,
                         speculative_policy=args.speculative_policy or ("fixed" if args.batch_invariant else "adaptive"),

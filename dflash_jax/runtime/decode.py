@@ -376,8 +376,9 @@ def choose_width(state: DecodeState, step_costs: jax.Array, widths: tuple[int, .
 
 def _decode_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState,
                   replay_alpha: jax.Array | None, step_costs: jax.Array | None, *, config: LoopConfig,
-                  num_steps: int, steps_per_check: int) -> DecodeState:
-    """Up to ``num_steps`` decode steps in one on-device loop; stops early once every sequence is
+                  num_steps: int | jax.Array, steps_per_check: int) -> DecodeState:
+    """Up to ``num_steps`` decode steps in one on-device loop (a traced count runs no new
+    program; steps go in groups of ``steps_per_check``); stops early once every sequence is
     done, looking every ``steps_per_check`` steps (which must divide ``num_steps``).
 
     Why check less often: the stop test of a ``lax.while_loop`` is read back by the host after
@@ -547,8 +548,8 @@ def _prefill_slots(target: TargetParams, draft: DraftParams | None, state: Decod
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "steps_per_check"), donate_argnames=("state",))
 def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
                  seen: jax.Array, seen_steps: jax.Array, replay_alpha: jax.Array | None = None,
-                 step_costs: jax.Array | None = None, *, config: LoopConfig, num_steps: int,
-                 steps_per_check: int = 1) -> tuple[DecodeState, ChunkOutput]:
+                 step_costs: jax.Array | None = None, max_steps: jax.Array | None = None, *, config: LoopConfig,
+                 num_steps: int, steps_per_check: int = 1) -> tuple[DecodeState, ChunkOutput]:
     """Up to ``num_steps`` decode steps over the slots ``rows`` [R] (padding: a slot index >= B;
     the chunk computes R rows, not B: an engine of many slots running few requests runs a
     small program), then each row's tokens from ``seen`` [R] on (what the host has read; it
@@ -556,7 +557,9 @@ def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
     (``ChunkOutput``, 2 chunks + 1 tokens wide): the host reads a few KB, not the buffers.
     ``replay_alpha`` (scalar) is required exactly when ``config.accept_replay`` (benchmarks);
     ``step_costs`` [len(config.widths)] exactly when ``config.adaptive``: a step's time at
-    each width for R rows (``choose_width``)."""
+    each width for R rows (``choose_width``). ``max_steps`` (scalar, a multiple of
+    ``steps_per_check`` up to ``num_steps``; default ``num_steps``): this chunk's steps, fewer
+    while prompts wait to be prefilled (the engine's step token budget) at no new compile."""
     if config.accept_replay != (replay_alpha is not None):
         raise ValueError("replay_alpha must be given exactly when config.accept_replay is set")
     if config.adaptive != (step_costs is not None):
@@ -565,11 +568,12 @@ def engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeS
     body = functools.partial(_engine_chunk, config=config if config.tensor_parallel is None else config.local(),
                              num_steps=num_steps, steps_per_check=steps_per_check)
     if config.tensor_parallel is None:
-        return body(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs)
+        return body(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs, max_steps)
     specs_of_state = state_specs(state, config.tensor_parallel)
-    return _on_mesh(body, config, (target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs),
+    return _on_mesh(body, config, (target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs, max_steps),
                     (*_param_specs(target, draft, config), specs_of_state, P(), P(), P(),
-                     None if replay_alpha is None else P(), None if step_costs is None else P()),
+                     None if replay_alpha is None else P(), None if step_costs is None else P(),
+                     None if max_steps is None else P()),
                     (specs_of_state, ChunkOutput(P(), P(), P(), P(), P(), P(),
                                                  None if state.logprobs is None else TokenLogprobs(P(), P(), P()))))
 
@@ -609,10 +613,11 @@ def _scatter_rows(state: DecodeState, rows: jax.Array, sub: DecodeState) -> Deco
 
 def _engine_chunk(target: TargetParams, draft: DraftParams | None, state: DecodeState, rows: jax.Array,
                   seen: jax.Array, seen_steps: jax.Array, replay_alpha: jax.Array | None,
-                  step_costs: jax.Array | None, *, config: LoopConfig, num_steps: int,
+                  step_costs: jax.Array | None, max_steps: jax.Array | None, *, config: LoopConfig, num_steps: int,
                   steps_per_check: int) -> tuple[DecodeState, ChunkOutput]:
+    steps = num_steps if max_steps is None else jnp.clip(max_steps, 1, num_steps)
     sub = _decode_chunk(target, draft, _gather_rows(state, rows), replay_alpha, step_costs, config=config,
-                        num_steps=num_steps, steps_per_check=steps_per_check)
+                        num_steps=steps, steps_per_check=steps_per_check)
     return _scatter_rows(state, rows, sub), _chunk_output(sub, seen, seen_steps, num_steps, config.block_size)
 
 

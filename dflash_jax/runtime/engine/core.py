@@ -46,6 +46,14 @@ class Engine:
     prompt prefixes (``prefix_cache``; None: on unless the models are hybrids, which it does not
     support). accept_replay (benchmarks only): each draft token is accepted with this probability
     instead of by the target (``decode.LoopConfig``).
+    max_num_batched_tokens: the token budget of an engine step while prompts wait to be
+    prefilled: its prefill call's prompt tokens plus its decode chunk's (steps x rows x block).
+    Every step runs both (a burst of arrivals never stalls the requests decoding, and the
+    decoding ones never hold the new ones back a whole chunk): the prefill call takes the rows
+    that fit beside one group of decode steps (at least one row), the decode chunk the steps
+    that fit beside it (at least ``steps_per_check``, whole groups of them, at most
+    ``chunk_steps``). Default: ``prefill_rows`` x ``prefill_chunk`` tokens of prefill beside one
+    group of decode steps of every slot.
     speculative_policy: "fixed" verifies the whole block every step; "adaptive" (with a draft)
     verifies, each step, the block width (2, 4, 8, ... up to the block) with the most expected
     tokens per second for the requests running, from each request's acceptance so far and a
@@ -61,8 +69,9 @@ class Engine:
                  steps_per_check: int | None = None, prefill_chunk: int = PREFILL_CHUNK, prefill_rows: int = 8,
                  max_waiting: int = 1024, impl: str = "auto", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, top_k_cap: int = 64, max_logprobs: int = 20,
-                 prefix_caching: bool | None = None, accept_replay: float | None = None,
-                 speculative_policy: str = "fixed", batch_invariant: bool = False):
+                 max_num_batched_tokens: int | None = None, prefix_caching: bool | None = None,
+                 accept_replay: float | None = None, speculative_policy: str = "fixed",
+                 batch_invariant: bool = False):
         config = target.config
         for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size), ("chunk_steps", chunk_steps),
                             ("prefill_chunk", prefill_chunk), ("prefill_rows", prefill_rows),
@@ -120,6 +129,12 @@ class Engine:
         self.steps_per_check = steps_per_check or default_steps_per_check(chunk_steps)
         self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
         self.prefill_rows, self.max_waiting, self.top_k_cap = prefill_rows, max_waiting, top_k_cap
+        if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                                   or max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+        self.max_num_batched_tokens = max_num_batched_tokens or (
+            min(prefill_rows, max_num_seqs) * self.prefill_chunk
+            + max_num_seqs * self.config.block_size * self.steps_per_check)
         if not isinstance(max_logprobs, int) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
@@ -262,9 +277,9 @@ class Engine:
             if not self.has_work():
                 return False
             prefilled = self._prefill()
-            chunk = self._dispatch_chunk()
+            chunk = self._dispatch_chunk(0 if prefilled is None else prefilled[2])
             if prefilled is not None:
-                output, rows = prefilled
+                output, rows, _ = prefilled
                 self.output.first_tokens(self.device.read(output), rows)
             self._grammar_step()
             previous, self._in_flight = self._in_flight, chunk
@@ -286,7 +301,7 @@ class Engine:
             self._calibrate_once()
             self._admit()
         while prefilled := self._prefill():
-            output, rows = prefilled
+            output, rows, _ = prefilled
             self.output.first_tokens(self.device.read(output), rows)
         self._free_released()
         return [r for r in self.scheduler.decoding() if r is not None]
@@ -392,23 +407,53 @@ class Engine:
             self.stats.prefix_cache_queries += sum(len(r.prompt_ids) for r in admitted)
             self.stats.prefix_cache_hits += sum(r.cached_tokens for r in admitted)
 
-    def _prefill(self) -> tuple[PrefillOutput, list[Request]] | None:
-        """Dispatch one chunk of prompt tokens for up to ``prefill_rows`` requests still
-        prefilling, then cache the full prompt pages it wrote; returns its output and those
-        requests."""
+    def _decode_tokens(self, steps: int, starting: int = 0) -> int:
+        """Tokens a decode chunk of ``steps`` steps computes for the requests decoding now and
+        ``starting`` more (their row bucket x the block)."""
+        decoding = starting + sum(r is not None and r.matcher is None for r in self.scheduler.decoding())
+        return 0 if not decoding else steps * self.device.row_bucket(decoding) * self.config.block_size
+
+    def _prefill(self) -> tuple[PrefillOutput, list[Request], int] | None:
+        """Dispatch one chunk of prompt tokens for the requests still prefilling, up to
+        ``prefill_rows`` of them and as many as fit the step's token budget beside one group of
+        decode steps (at least one), then cache the full prompt pages it wrote; returns its
+        output, those requests and the tokens it computes."""
         rows = self.scheduler.prefilling(self.prefill_rows)
         if not rows:
             return None
+        sizes, fitting = {}, []
+        for count in range(1, len(rows) + 1):
+            sizes[count] = size = math.prod(shape := self._prefill_shape(rows[:count]))
+            starting = sum(r.matcher is None and len(r.prompt_ids) - r.prefilled <= shape[1] for r in rows[:count])
+            if size + self._decode_tokens(self.steps_per_check, starting) <= self.max_num_batched_tokens:
+                fitting.append(count)
+        smallest = min(sizes.values())    # none fits: the most rows of the smallest call (one shape: all)
+        rows = rows[:max(fitting or [count for count, size in sizes.items() if size == smallest])]
+        tokens = sizes[len(rows)]
         before = sum(r.prefilled for r in rows)
         output = self.device.prefill(rows)
         self.scheduler.cache_prefilled(rows)
         self.stats.prefill_tokens_computed += sum(r.prefilled for r in rows) - before
         self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in rows if r.decoding)
-        return output, rows
+        return output, rows, tokens
 
-    def _dispatch_chunk(self) -> DispatchedChunk | None:
+    def _prefill_shape(self, rows: list[Request]) -> tuple[int, int]:
+        return self.device.prefill_shape(len(rows), max(len(r.prompt_ids) - r.prefilled for r in rows))
+
+    def _chunk_steps(self, prefill_tokens: int) -> int:
+        """The decode chunk's steps: all ``chunk_steps`` when no prompt waits to be prefilled,
+        else the whole groups of ``steps_per_check`` that fit the step's token budget beside the
+        prefill call's ``prefill_tokens`` (at least one group)."""
+        if not self.scheduler.prefilling(1):
+            return self.chunk_steps
+        group = self._decode_tokens(self.steps_per_check)
+        groups = (self.max_num_batched_tokens - prefill_tokens) // group if group else 0
+        return self.steps_per_check * min(max(groups, 1), self.chunk_steps // self.steps_per_check)
+
+    def _dispatch_chunk(self, prefill_tokens: int) -> DispatchedChunk | None:
         """Grow pages for two chunks ahead (the host's counts lag one chunk), then dispatch a
-        decode chunk for the decoding requests without a grammar."""
+        decode chunk for the decoding requests without a grammar, of the steps that fit the
+        step's token budget beside the prefill call's ``prefill_tokens`` (``_chunk_steps``)."""
         owners = self.scheduler.decoding()
         decoding = [r for r in owners if r is not None]
         if not decoding:
@@ -418,7 +463,9 @@ class Engine:
         if grown:
             self.device.set_pages(grown)
         owners = [None if r is None or r.matcher is not None else r for r in owners]
-        return self.device.chunk(owners) if any(owners) else None
+        if not any(owners):
+            return None
+        return self.device.chunk(owners, self._chunk_steps(prefill_tokens))
 
     def _grammar_step(self) -> None:
         """One step of the decoding requests under grammars, their tokens delivered at once (the

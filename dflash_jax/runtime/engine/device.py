@@ -271,30 +271,32 @@ class Device:
         """The rows a chunk of ``count`` decoding requests runs (``row_buckets``)."""
         return next(rows for rows in self.row_buckets if rows >= count)
 
-    def chunk(self, owners: list[Request | None]) -> DispatchedChunk:
-        """Dispatch a decode chunk for the decoding requests (``owners``: each slot's, or None) on
-        the smallest row bucket that holds them; each row's window of tokens starts at its
-        request's delivered count."""
+    def chunk(self, owners: list[Request | None], steps: int | None = None) -> DispatchedChunk:
+        """Dispatch a decode chunk of ``steps`` steps (default ``chunk_steps``) for the decoding
+        requests (``owners``: each slot's, or None) on the smallest row bucket that holds them;
+        each row's window of tokens starts at its request's delivered count."""
         slots = [slot for slot, request in enumerate(owners) if request is not None]
         count = self.row_bucket(len(slots))
         requests = [owners[slot] for slot in slots] + [None] * (count - len(slots))
         rows = np.asarray(slots + [self.slots] * (count - len(slots)), np.int32)
         seen = np.asarray([0 if r is None else r.delivered for r in requests], np.int32)
         seen_steps = np.asarray([0 if r is None else len(r.accept_lengths) for r in requests], np.int32)
-        self.state, output = self._chunk_call(rows, seen, seen_steps)
+        self.state, output = self._chunk_call(rows, seen, seen_steps, steps=steps)
         jax.tree.map(lambda x: x.copy_to_host_async(), output)
         return DispatchedChunk(output, requests, seen, seen_steps)
 
     def _chunk_call(self, rows: np.ndarray, seen: np.ndarray, seen_steps: np.ndarray,
-                    step_costs: np.ndarray | None = None):
-        """``engine_chunk`` on ``rows``; ``step_costs`` default: the measured ones of the bucket."""
+                    step_costs: np.ndarray | None = None, steps: int | None = None):
+        """``engine_chunk`` on ``rows`` for ``steps`` steps (default ``chunk_steps``);
+        ``step_costs`` default: the measured ones of the bucket."""
         if self.config.adaptive and step_costs is None:
             step_costs = self.step_costs[len(rows)]
         costs = None if step_costs is None else jnp.asarray(step_costs, jnp.float32)
         tp = self.target.tensor_parallel
+        steps = jnp.int32(self.chunk_steps if steps is None else steps)
         return engine_chunk(self.target.params, self._draft_params, self.state,
                             *replicated((jnp.asarray(rows), jnp.asarray(seen), jnp.asarray(seen_steps)), tp),
-                            self.replay_alpha, replicated(costs, tp), config=self.config,
+                            self.replay_alpha, replicated(costs, tp), replicated(steps, tp), config=self.config,
                             num_steps=self.chunk_steps, steps_per_check=self.steps_per_check)
 
     def calibrate(self, context: int = 512, repeats: int = 2) -> dict[int, np.ndarray]:
