@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the DFlash runs' policy (the server's default: adaptive)")
     p.add_argument("--max-num-seqs", type=positive_int,
                    help="the servers' slots (default: the concurrency of the row)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int,
+                   help="the engines' step token budget while prompts wait (default: the engine's)")
+    p.add_argument("--max-model-len", type=positive_int,
+                   help="the engines' context (default: --prompt-len + --max-tokens; one value across runs "
+                        "lets --compile-cache serve them all)")
     p.add_argument("--skip-offline", action="store_true", help="no offline-engine rows")
     p.add_argument("--soak-seconds", type=float, default=0.0)
     p.add_argument("--soak-concurrency", type=positive_int, default=64)
@@ -150,12 +155,21 @@ def summarize(records: list[dict], wall: float, stats) -> dict:
             "verified": 1 + stats.num_draft_tokens / drafts if drafts else None}
 
 
+def context_length(args) -> int:
+    """The engines' max_model_len: ``--max-model-len``, else a prompt and its new tokens."""
+    needed = args.prompt_len + args.max_tokens
+    if args.max_model_len is not None and args.max_model_len < needed:
+        raise SystemExit(f"--max-model-len {args.max_model_len} is below --prompt-len + --max-tokens ({needed})")
+    return args.max_model_len or needed
+
+
 def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha) -> dict:
     """The same prompts through an engine stepped in this thread (no HTTP; no prefix caching, as
     the server's): tok/s over the wall time less compilation."""
-    engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=args.prompt_len + args.max_tokens,
+    engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=context_length(args),
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps, prefix_caching=False,
-                    accept_replay=alpha, speculative_policy=args.speculative_policy)
+                    accept_replay=alpha, speculative_policy=args.speculative_policy,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
     params = RequestParams(max_tokens=args.max_tokens, ignore_eos=True)
     start = time.monotonic()
     for prompt in prompts:
@@ -171,10 +185,10 @@ def engine_for(target, draft, tokenizer, slots: int, args, alpha) -> Engine:
     caching: the warm-up's prompts come again in the timed run, and every prompt is to be
     prefilled as a new one would be."""
     engine = Engine(target, draft, tokenizer, max_num_seqs=args.max_num_seqs or slots,
-                    max_model_len=args.prompt_len + args.max_tokens,
+                    max_model_len=context_length(args),
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
                     max_waiting=100000, prefix_caching=False, accept_replay=alpha,
-                    speculative_policy=args.speculative_policy)
+                    speculative_policy=args.speculative_policy, max_num_batched_tokens=args.max_num_batched_tokens)
     start = time.monotonic()
     programs = engine.warmup(prompt_lengths=[args.prompt_len])
     print(f"  {engine.slots} slots, {'DFlash' if draft else 'baseline'}: {programs} programs compiled in "
@@ -230,6 +244,7 @@ def main(argv=None) -> int:
                     for name in counted:
                         setattr(stats, name, getattr(stats, name) - stats_before[name])
                     row = {"concurrency": c, "mode": mode, **summarize(records, wall, stats)}
+                engine.close()       # its KV pool goes before the next engine makes one
                 if not args.skip_offline:
                     offline(target, use_draft, tokenizer, prompts[:c], c, args, alpha)    # compiles; not timed
                     timed = offline(target, use_draft, tokenizer, prompts, c, args, alpha)

@@ -41,6 +41,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=acceptance_rate, default=0.86, help="replayed acceptance of the DFlash runs")
     p.add_argument("--blocks", type=positive_ints, default=[16, 8], help="DFlash block sizes (beside plain decoding)")
     p.add_argument("--chunk-steps", type=positive_int, default=8)
+    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
+                   help="the DFlash runs' policy (the server's default: adaptive)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int,
+                   help="the engines' step token budget while prompts wait (default: the engine's)")
+    p.add_argument("--max-model-len", type=positive_int,
+                   help="the engines' context (default: --prompt-len + --max-tokens; the value of another "
+                        "benchmark's run lets --compile-cache serve both)")
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     return p.parse_args(argv)
 
@@ -123,11 +130,15 @@ def main(argv=None) -> int:
         for block in [None, *args.blocks]:
             use_draft = None if block is None else draft
             engine = Engine(target, use_draft, tokenizer, max_num_seqs=args.concurrency,
-                            max_model_len=args.prompt_len + args.max_tokens, block_size=block,
-                            chunk_steps=args.chunk_steps, max_waiting=len(prompts), prefix_caching=False,
-                            accept_replay=None if block is None else args.alpha)   # prompts rerun: prefill each
+                            max_model_len=max(args.max_model_len or 0, args.prompt_len + args.max_tokens),
+                            block_size=block, chunk_steps=args.chunk_steps, max_waiting=len(prompts),
+                            prefix_caching=False,                                # prompts rerun: prefill each
+                            accept_replay=None if block is None else args.alpha,
+                            speculative_policy=args.speculative_policy,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
             engine.warmup(prompt_lengths=[args.prompt_len])
             row = {"mode": "plain" if block is None else f"dflash block {block}", **breakdown(engine, prompts, args)}
+            engine.close()      # its KV pool goes before the next engine makes one
             report["rows"].append(row)
             print(line(row), file=sys.stderr, flush=True)
             if args.out:
