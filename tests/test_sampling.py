@@ -6,11 +6,14 @@ copies of one prompt run as one batch (each row its own random stream), and the 
 distribution of the first three generated tokens plus the marginal of the fourth must match the
 target's exact sampling distribution (enumerated with transformers + the reference transform)
 under a chi-square test. Negative controls (accept every draft; sample at another temperature)
-must be rejected, so the test has power.
+must be rejected, so the test has power. The same holds for the serving engine's adaptive
+verification (a step verifies a prefix of the block), and under a grammar (structured output)
+against the target's distribution with the forbidden tokens' logits at -inf.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import jax
@@ -558,3 +561,127 @@ def test_engine_requests_with_their_own_settings_sample_exactly(tiny):
     tokens = np.array([r.token_ids for r in sampled])
     assert 0.2 < np.mean([r.accept_lengths[0] >= 2 for r in sampled]) < 0.8
     _assert_exact(_pvalues(tokens, joint3, t4), "engine, mixed rows")
+
+
+# The engine's other paths: waves of ENGINE_SAMPLES requests on an engine of ``_sample``'s shapes
+# (SLOTS slots: its slot programs are shared), under settings with few tokens per position, so
+# that the joint of three tokens has enough samples per cell. Each test asserts its p-values
+# above FALSE_FAILURE over their number: on seeds drawn at random, exact sampling would fail one
+# with a probability below FALSE_FAILURE (union bound, within the chi-square approximation).
+ENGINE_SAMPLES = 1024
+FALSE_FAILURE = 1e-6
+
+
+def _assert_exact_strictly(pvalues: dict[str, dict[str, float]]) -> None:
+    """``pvalues``: ``_pvalues``'s for each run."""
+    flat = {f"{run}: {name}": value for run, values in pvalues.items() for name, value in values.items()}
+    assert min(flat.values()) > FALSE_FAILURE / len(flat), ", ".join(f"{k} p={v:.3g}" for k, v in flat.items())
+
+
+def _batch_engine(tiny, config, **options):
+    from dflash_jax.runtime.generation import batch_engine
+
+    return batch_engine(tiny[0], tiny[1], [len(PROMPT)] * SLOTS, [NEW] * SLOTS, max_num_seqs=SLOTS, impl="reference",
+                        stop_token_ids=[], top_k_cap=max(config.top_k, 1), **options)
+
+
+def _engine_samples(engine, config, seed, *, grammar=None):
+    """ENGINE_SAMPLES copies of the prompt through ``engine`` at once, seeded as ``generate``
+    seeds them: tokens [ENGINE_SAMPLES, NEW] and the requests."""
+    from dflash_jax.runtime.engine import RequestParams
+    from dflash_jax.runtime.generation import run_requests
+
+    params = [RequestParams(max_tokens=NEW, sampling=config, seed=seed, sample_index=i, grammar=grammar)
+              for i in range(ENGINE_SAMPLES)]
+    requests, _ = run_requests(engine, [PROMPT] * ENGINE_SAMPLES, params)
+    assert all(r.finish_reason == "length" for r in requests)
+    return np.array([r.token_ids for r in requests]), requests
+
+
+def test_adaptive_verification_sampling_is_exact_in_distribution(tiny):
+    """The adaptive policy (widths 2 and 4; step costs 1 and 1.25 set for every row bucket
+    instead of measured). A first wave starts from the prior acceptance 0.75: each first step
+    verifies the whole block (2.31 expected tokens at cost 1.25 against 1.75 at cost 1), each
+    later one, with 2 tokens left at most, the 2-wide prefix (as many expected tokens, cheaper).
+    A second wave starts from the acceptance the first measured (under 0.4): every step narrow.
+    Verifying a prefix keeps sampling exact: both waves' tokens follow the target's distribution.
+    Top-k 3: a step verified against another position's probabilities would emit tokens out of
+    the support."""
+    config = SAMPLING_CASES["top_k3"]
+    joint3, t4 = _exact(tiny[3], tiny[2], config.temperature, config.top_p, config.top_k)
+    with contextlib.closing(_batch_engine(tiny, config, speculative_policy="adaptive")) as engine:
+        assert engine.config.widths == (2, 4)
+        engine.device.step_costs = {rows: np.asarray([1.0, 1.25]) for rows in engine.device.row_buckets}
+        stats, n = engine.stats, ENGINE_SAMPLES
+        wide_first, requests = _engine_samples(engine, config, seed=31)
+        assert stats.verified_per_position[1:] == [n, n]            # drafts 2 and 3: each first step's
+        assert np.mean([len(r.accept_lengths) > 1 for r in requests]) > 0.5
+        narrow, _ = _engine_samples(engine, config, seed=32)
+    assert stats.verified_per_position[1:] == [n, n]                # no wide step in the second wave
+    assert stats.num_draft_tokens == 3 * n + stats.num_drafts - n   # every other step verified 1 draft
+    _assert_exact_strictly({"wide first": _pvalues(wide_first, joint3, t4), "narrow": _pvalues(narrow, joint3, t4)})
+
+
+# Structured output on the tiny vocabulary: ids 0..14 the letters a..o, 15 the end of text. The
+# grammar allows a..j first, then letters alternating between odd and even ids, at least five
+# (the end is never allowed here): 6 to 9 of the 16 tokens forbidden at each position, which ones
+# depending on the token before (a mask one position off allows the forbidden half).
+LETTERS = "abcdefghijklmno"
+GRAMMAR = "[acegi](?:[bdfhjln][acegikmo]){2}[a-o]*|[bdfhj](?:[acegikmo][bdfhjln]){2}[a-o]*"
+
+
+def _grammar_masks(prefixes) -> np.ndarray:
+    """GRAMMAR's allowed tokens [V^(NEW-1), NEW, V] at each position after each prefix
+    (``target_logits_after``'s rows)."""
+    ids = np.arange(VOCAB)
+    masks = np.empty((len(prefixes), NEW, VOCAB), bool)
+    masks[:, 0] = ids < 10
+    masks[:, 1:] = (ids < 15) & (ids % 2 != prefixes[..., None] % 2)
+    return masks
+
+
+@pytest.fixture(scope="module")
+def letters_tokenizer(tmp_path_factory):
+    """A tokenizer of the tiny vocabulary: a..o, then <eos> (the stop token)."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from dflash_jax.loading.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("letters_tokenizer")
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(LETTERS)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    tokenizer = Tokenizer(folder)
+    assert tokenizer.encode(LETTERS) == list(range(15)) and tokenizer.stop_token_ids == [15]
+    return tokenizer
+
+
+def test_sampling_under_a_grammar_is_exact_in_distribution(tiny, letters_tokenizer):
+    """Structured output with a draft: each block walked through the request's matcher, verified
+    under the per-position masks and ended after the first draft token the grammar rejects (that
+    one still tested, so a rejection samples the residual). The tokens follow the target's
+    distribution with the forbidden tokens' logits at -inf, each position's mask after the
+    tokens before it (plain decoding's under the grammar), through top-k and top-p after the
+    mask; the mass the unmasked target puts on forbidden tokens is large, so a mask missed,
+    misplaced or a residual skipped shows."""
+    from dflash_jax.runtime.grammar import grammar_from_request
+
+    config = SAMPLING_CASES["t0.8-top_k5-top_p0.9"]
+    prefixes, logits = tiny[2], tiny[3]
+    masks = _grammar_masks(prefixes)
+    joint3, t4 = _exact(np.where(masks, logits, -np.inf), prefixes, config.temperature, config.top_p, config.top_k)
+    # the mass the unmasked target (same settings) puts on forbidden tokens at each position, in
+    # expectation over the contexts the masked one reaches: 0.6 to 0.8
+    forbidden = (_reference_probs(logits, config.temperature, config.top_p, config.top_k) * ~masks).sum(-1)
+    assert ((joint3.reshape(-1, 1) * forbidden).sum(0) > 0.5).all()
+    grammar = grammar_from_request(guided_regex=GRAMMAR)
+    # batch-invariant: each grammar step runs every slot, one shape (compiled once) to the end
+    with contextlib.closing(_batch_engine(tiny, config, tokenizer=letters_tokenizer, batch_invariant=True)) as engine:
+        tokens, requests = _engine_samples(engine, config, seed=37, grammar=grammar)
+    assert 0.1 < np.mean([r.accept_lengths[0] >= 2 for r in requests]) < 0.9
+    _assert_exact_strictly({"grammar": _pvalues(tokens, joint3, t4)})
