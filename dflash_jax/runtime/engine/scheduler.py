@@ -88,14 +88,15 @@ class Scheduler:
         (the module's page accounting); each starts on its prompt's cached pages (its
         ``cached_tokens`` and ``prefilled``) and gets the pages of the rest. Returns them."""
         free = [s for s, owner in enumerate(self.owners) if owner is None]
-        admitted = []
+        admitted, reserved = [], self.reserved     # kept up to date below: a burst admits in linear time
         while self.waiting and free:
             request = self.waiting[0]
             need = self.pages_for(len(request.prompt_ids), request.params.max_tokens)
             cached = self._cached_prefix(request)
             pinned = sum(1 for page in cached if self.prefix_cache.references(page) == 0)
-            if self.reserved + need - len(cached) > self.available - pinned:
+            if reserved + need - len(cached) > self.available - pinned:
                 break
+            reserved += need - len(cached)
             self.waiting.popleft()
             if cached:
                 self.prefix_cache.acquire(cached)
