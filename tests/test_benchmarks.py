@@ -416,31 +416,74 @@ def test_bench_moe_times_the_mxfp4_kernel_against_its_packed_bytes(tmp_path, cap
 
 
 def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, capsys):
-    """The serving benchmark at the tiny shape: per concurrency a baseline and a DFlash row
-    (replayed acceptance: tau near its expectation), each beside the offline engine's tok/s; the
-    soak ends with no page in use."""
-    assert bench_serving.main(["--shape", "tiny", "--concurrency", "1,3", "--rounds", "2", "--prompt-len", "12",
-                               "--max-tokens", "10", "--soak-seconds", "1", "--soak-concurrency", "3",
+    """The serving benchmark at the tiny shape, prompts of a shared 16-token prefix (one page) and
+    20 tokens of their own (one prefill shape, cached prefix or not): per concurrency a baseline
+    and a DFlash server (replayed acceptance: tau near its expectation) with prefix caching on and
+    off, each beside the offline engine's tok/s; the soak ends with no page in use. Then a JSON
+    row at c1 on a DFlash server of the same shapes (its programs compiled already but the
+    grammar's)."""
+    settings = ["--shape", "tiny", "--rounds", "2", "--prompt-len", "20", "--shared-prefix-len", "16",
+                "--max-tokens", "24"]
+    assert bench_serving.main([*settings, "--concurrency", "1,3", "--soak-seconds", "1", "--soak-concurrency", "3",
                                "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_serving.json").read_text())
-    assert [(r["concurrency"], r["mode"]) for r in report["rows"]] == [(1, "baseline"), (1, "dflash"),
-                                                                      (3, "baseline"), (3, "dflash")]
+    assert [(r["concurrency"], r["mode"], r["prefix_caching"], r["structured"]) for r in report["rows"]] == [
+        (c, mode, caching, "none") for c in (1, 3) for mode in ("baseline", "dflash") for caching in (True, False)]
     for row in report["rows"]:
-        assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == 10 * row["requests"]
-        assert row["offline_tok_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == 24 * row["requests"]
+        assert row["offline_tok_s"] > 0 and row["ttft_p50_ms"] > 0 and "json_valid" not in row
         assert (row["tau"] is None) == (row["mode"] == "baseline")
         if row["tau"] is not None:
-            assert 1 < row["tau"] <= 10
+            assert 1 < row["tau"] <= 16 and row["dflash_over_baseline"] > 0
+        # the warm-up cached the shared page: each timed prompt finds it (16 of 36 tokens) and prefills the rest
+        assert row["prefix_cache_hit_rate"] == (16 / 36 if row["prefix_caching"] else 0)
+        assert row["prefill_tokens_computed"] == row["requests"] * (20 if row["prefix_caching"] else 36)
+        assert ("ttft_p50_off_over_on" in row) == row["prefix_caching"]
     assert report["soak"]["after"]["pages_in_use"] == 0 and report["soak"]["requests"] > 0
-    assert re.search(r"soak \d+ s at c=3: \d+ requests, \d+ tok/s; pages in use 0 -> 0", capsys.readouterr().out)
     assert report["soak"]["elapsed_s"] >= 1
+    out = capsys.readouterr().out
+    assert re.search(r"soak \d+ s at c=3: \d+ requests, \d+ tok/s; pages in use 0 -> 0", out)
+    assert re.search(r"\n  3  dflash\+cache .* hit 44%; TTFT p50 uncached/cached [\d.]+x\n", out)
+
+    assert bench_serving.main([*settings, "--concurrency", "1", "--modes", "dflash", "--structured", "json",
+                               "--prefix-caching", "off", "--skip-offline", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_serving.json").read_text())
+    (row,) = report["rows"]
+    assert (row["mode"], row["structured"]) == ("dflash", "json") and row["tau"] > 1
+    # the schema's string is short enough for every output to close before max_tokens
+    assert row["json_valid"] == row["json_finished"] == row["requests"] == 2 and 2 * 9 < row["tokens"] < 2 * 24
+    assert report["response_format"]["json_schema"]["schema"]["properties"]["text"]["maxLength"] > 0
+    assert re.search(r"\n  1  dflash json .* JSON valid 2 of 2 finished \(2 requests\)", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--structured", "xml"], "unknown xml"), (["--prefix-caching", "on,of"], "unknown of"),
+    (["--shared-prefix-len", "-1"], "must be an integer >= 0"),
+    (["--shape", "tiny-hybrid", "--shared-prefix-len", "16"], "--prefix-caching on: not for --shape tiny-hybrid"),
+])
+def test_bench_serving_rejects_bad_settings_when_parsing(capsys, argv, message):
+    assert message in parse_error(capsys, bench_serving.parse_args, argv)
+
+
+def test_bench_serving_tokenizer_writes_json_and_words(tmp_path):
+    """The benchmark's vocabulary: JSON's punctuation and the field name first, then words; text
+    encodes back into those tokens (llguidance tokenizes forced text with it), "</s>" the stop."""
+    tokenizer = bench_serving.word_tokenizer(64, tmp_path)
+    ids = tokenizer.encode('{"text":" w30 w63 7"}')
+    assert tokenizer.decode(ids) == '{"text":" w30 w63 7"}' and 30 in ids and 63 in ids
+    assert tokenizer.stop_token_ids == [bench_serving.JSON_TOKENS.index("</s>")]
+    response_format = bench_serving.json_response_format(64, 100)
+    assert bench_serving.valid_json('{"text": "w1"}', response_format)
+    assert not bench_serving.valid_json('{"text": "w1"', response_format)
+    assert not bench_serving.valid_json('{"text": 1}', response_format)
 
 
 def test_engine_breakdown_times_every_program_of_each_mode(tmp_path):
     """The breakdown at the tiny shape: plain and one DFlash block, every engine program timed
     (prefill, chunks, slot updates), the same tokens in the overlapped and the waited run."""
     assert engine_breakdown.main(["--shape", "tiny", "--concurrency", "3", "--rounds", "2", "--prompt-len", "12",
-                                  "--max-tokens", "10", "--blocks", "8", "--out", str(tmp_path)]) == 0
+                                  "--max-tokens", "10", "--blocks", "8", "--speculative-policy", "fixed",
+                                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "engine_breakdown.json").read_text())
     assert [row["mode"] for row in report["rows"]] == ["plain", "dflash block 8"]
     for row in report["rows"]:
