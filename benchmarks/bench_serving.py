@@ -71,8 +71,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (SHAPES, acceptance_rate, engine_run_models, names_from, output_dir, positive_int,  # noqa: E402
-                    positive_ints, random_prompts, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_engine_options, engine_run_models, names_from,  # noqa: E402
+                    output_dir, positive_int, positive_ints, random_prompts, run_record, write_json)
 
 from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, at_least, reported_as_errors  # noqa: E402
 from dflash_jax.runtime.engine import Engine, RequestParams, compile_seconds  # noqa: E402
@@ -110,15 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="baseline,dflash", help="comma list of baseline, dflash")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--chunk-steps", type=positive_int, default=8)
-    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
-                   help="the DFlash runs' policy (the server's default: adaptive)")
     p.add_argument("--max-num-seqs", type=positive_int,
                    help="the servers' slots (default: the concurrency of the row)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="the engines' step token budget while prompts wait (default: the engine's)")
-    p.add_argument("--max-model-len", type=positive_int,
-                   help="the engines' context (default: --shared-prefix-len + --prompt-len + --max-tokens; one "
-                        "value across runs lets --compile-cache serve them all)")
+    add_engine_options(p, "--shared-prefix-len + --prompt-len + --max-tokens")
     p.add_argument("--skip-offline", action="store_true", help="no offline-engine rows")
     p.add_argument("--soak-seconds", type=float, default=0.0)
     p.add_argument("--soak-concurrency", type=positive_int, default=64)

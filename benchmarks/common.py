@@ -167,6 +167,19 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(partial, path)
 
 
+def add_engine_options(parser: argparse.ArgumentParser, context_default: str) -> None:
+    """The serving engine's settings a benchmark passes on: the speculative policy (the server's
+    default), the step token budget and the context (``context_default`` says what it is
+    without the flag)."""
+    parser.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
+                        help="the DFlash runs' policy (the server's default: adaptive)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int,
+                        help="the engines' step token budget while prompts wait (default: the engine's)")
+    parser.add_argument("--max-model-len", type=positive_int,
+                        help=f"the engines' context (default: {context_default}; one value across runs lets "
+                             "--compile-cache serve them all)")
+
+
 def add_auto_kernels_option(parser: argparse.ArgumentParser) -> None:
     """``--auto-kernels OP=on|off,...``: what impl="auto" runs as a kernel, for A/B runs."""
     parser.add_argument("--auto-kernels", type=auto_kernel_overrides, default="", metavar="OP=on|off,...",

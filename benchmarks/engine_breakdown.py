@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import word_tokenizer  # noqa: E402
-from common import (SHAPES, acceptance_rate, engine_run_models, output_dir, positive_int, positive_ints,  # noqa: E402
-                    random_prompts, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_engine_options, engine_run_models, output_dir, positive_int,  # noqa: E402
+                    positive_ints, random_prompts, run_record, write_json)
 
 from dflash_jax.runtime.engine import device as engine_module  # noqa: E402
 from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
@@ -41,13 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=acceptance_rate, default=0.86, help="replayed acceptance of the DFlash runs")
     p.add_argument("--blocks", type=positive_ints, default=[16, 8], help="DFlash block sizes (beside plain decoding)")
     p.add_argument("--chunk-steps", type=positive_int, default=8)
-    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
-                   help="the DFlash runs' policy (the server's default: adaptive)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="the engines' step token budget while prompts wait (default: the engine's)")
-    p.add_argument("--max-model-len", type=positive_int,
-                   help="the engines' context (default: --prompt-len + --max-tokens; the value of another "
-                        "benchmark's run lets --compile-cache serve both)")
+    add_engine_options(p, "--prompt-len + --max-tokens")
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     return p.parse_args(argv)
 
