@@ -240,7 +240,7 @@ def test_a_decode_loop_that_never_finishes_is_an_error_not_a_hang(spec_pair, bas
     from dflash_jax.runtime.decode import ChunkOutput
     from dflash_jax.runtime.engine import device
 
-    def stuck(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs, *, config, num_steps,
+    def stuck(target, draft, state, rows, seen, seen_steps, replay_alpha, step_costs, max_steps, *, config, num_steps,
               steps_per_check):
         count, of = rows.shape[0], lambda x: jnp.take(x, rows, axis=0, mode="clip")  # noqa: E731
         return state, ChunkOutput(tokens=jnp.zeros((count, 2 * num_steps * config.block_size + 1), jnp.int32),
