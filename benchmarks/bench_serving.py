@@ -2,7 +2,8 @@
 concurrent streaming clients (the async ``openai`` client), plain decoding against DFlash with
 acceptance replayed at ``--alpha``; the offline engine on the same batches in the same run.
 
-Per concurrency c: a server with c slots (or ``--max-num-seqs``), DFlash under
+Per concurrency c: a server with c slots (or ``--max-num-seqs``: then one server per mode
+serves every concurrency, one after another), DFlash under
 ``--speculative-policy`` (adaptive, as ``serve``'s default), in this process (uvicorn in a
 thread, 127.0.0.1, a free port); c clients each send ``--rounds`` requests one after another
 (prompts of ``--prompt-len`` random token ids, ``--max-tokens`` new tokens, ``ignore_eos``), all
@@ -13,7 +14,9 @@ process of their own (as vLLM's serving benchmark does), so their parsing does n
 server's interpreter lock. Reports output tok/s (all tokens over the wall time), TTFT p50/p99,
 effective TPOT (per request: time after the first token over the tokens after it; mean), ITL p99
 (gaps between streamed chunks: DFlash delivers bursts), mean acceptance (tokens per DFlash step,
-from the server's spec-decode counters), the mean block width verified, DFlash over plain at the
+from the server's spec-decode counters), the mean block width verified (and, under adaptive
+verification, the step costs the DFlash server measured: ms per step at each width and row
+count, ``step_costs_ms``), DFlash over plain at the
 same settings, and the offline engine's tok/s on the same prompts with c slots, after its
 warm-up (``Engine.warmup``: adaptive verification's step costs are measured before the clock
 starts; ``--skip-offline``: none).
@@ -269,7 +272,8 @@ def offline(target, draft, tokenizer, prompts, concurrency: int, args, alpha, *,
     engine = Engine(target, draft, tokenizer, max_num_seqs=concurrency, max_model_len=max_model_len(args),
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
                     prefix_caching=prefix_caching, accept_replay=alpha, speculative_policy=args.speculative_policy,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    batch_invariant=args.batch_invariant)
     engine.warmup(prompt_lengths=prompt_lengths(args, engine))
     if grammar is not None:
         _ = engine.grammar_tokenizer   # built at the first request otherwise (seconds at 150k tokens)
@@ -308,7 +312,8 @@ def engine_for(target, draft, tokenizer, slots: int, args, alpha, prefix_caching
                     block_size=args.block_size if draft else None, chunk_steps=args.chunk_steps,
                     max_waiting=100000, prefix_caching=prefix_caching, accept_replay=alpha,
                     speculative_policy=args.speculative_policy,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    batch_invariant=args.batch_invariant)
     start = time.monotonic()
     programs = engine.warmup(prompt_lengths=prompt_lengths(args, engine))
     print(f"  {engine.slots} slots, {'DFlash' if draft else 'baseline'}{', prefix caching' if prefix_caching else ''}: "
@@ -387,34 +392,48 @@ def main(argv=None) -> int:
     report = {**run_record(args), "rows": []}
     if response_format:
         report["response_format"] = response_format
+    # Each kind its own prompts, and the warm-up others: a prefix cache holds the shared prefix only.
+    # The grammar's programs compile at the first request of each row count (Engine.warmup compiles
+    # none), so JSON warms up with as many requests as it times.
+    timed = {c: {kind: new_prompts(c * args.rounds) for kind in args.structured} for c in args.concurrency}
+    warm = {c: {kind: new_prompts(c * args.rounds if kind == "json" else c) for kind in args.structured}
+            for c in args.concurrency}
+    # One server per slot count (c, or --max-num-seqs: one for every c), mode and prefix caching.
+    by_slots: dict[int, list[int]] = {}
+    for c in args.concurrency:
+        by_slots.setdefault(args.max_num_seqs or c, []).append(c)
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder, ProcessPoolExecutor(1, mp_context=spawn) as clients:
         tokenizer = word_tokenizer(vocab, Path(folder))
-        for c in args.concurrency:
-            # Each kind its own prompts, and the warm-up others: a prefix cache holds the shared prefix
-            # only. The grammar's programs compile at the first request of each row count (Engine.warmup
-            # compiles none), so JSON warms up with as many requests as it times.
-            timed = {kind: new_prompts(c * args.rounds) for kind in args.structured}
-            warm = {kind: new_prompts(c * args.rounds if kind == "json" else c) for kind in args.structured}
+        for slots, concurrencies in by_slots.items():
             for mode in args.modes:
                 use_draft, alpha = (draft, args.alpha) if mode == "dflash" else (None, None)
                 for caching in args.prefix_caching:
                     on = caching == "on"
-                    engine = engine_for(target, use_draft, tokenizer, c, args, alpha, prefix_caching=on)
+                    engine = engine_for(target, use_draft, tokenizer, slots, args, alpha, prefix_caching=on)
+                    if engine.device.step_costs is not None:   # adaptive verification's, measured at warmup
+                        report["step_costs_ms"] = {"widths": list(engine.config.widths), "by_rows": {
+                            rows: [round(1e3 * float(t), 3) for t in costs] for rows, costs in engine.device.step_costs.items()}}
                     with BackgroundServer(engine, MODEL) as server:
-                        rows = server_rows(server, clients, c, warm, timed, args, response_format,
-                                           {"mode": mode, "prefix_caching": on})
+                        for c in concurrencies:
+                            for row in server_rows(server, clients, c, warm[c], timed[c], args, response_format,
+                                                   {"mode": mode, "prefix_caching": on}):
+                                report["rows"].append(row)
+                                compare(report["rows"])
+                                print(table(report).splitlines()[-1], file=sys.stderr, flush=True)
+                                if args.out:
+                                    write_json(args.out / "bench_serving.json", report)
                     engine.close()       # its KV pool goes before the next engine makes one
-                    for row in rows:
-                        if not args.skip_offline:
-                            prompts = timed[row["structured"]]
-                            settings = {"prefix_caching": on, "grammar": grammar if row["structured"] == "json" else None}
-                            row["offline_tok_s"] = offline(target, use_draft, tokenizer, prompts, c, args, alpha,
-                                                           **settings)["output_tok_s"]
-                            row["server_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
-                        report["rows"].append(row)
-                        compare(report["rows"])
-                        print(table(report).splitlines()[-1], file=sys.stderr, flush=True)
+                    if args.skip_offline:
+                        continue
+                    for row in report["rows"]:
+                        if row["mode"] != mode or row["prefix_caching"] != on or row["concurrency"] not in concurrencies:
+                            continue
+                        prompts = timed[row["concurrency"]][row["structured"]]
+                        settings = {"prefix_caching": on, "grammar": grammar if row["structured"] == "json" else None}
+                        row["offline_tok_s"] = offline(target, use_draft, tokenizer, prompts, row["concurrency"],
+                                                       args, alpha, **settings)["output_tok_s"]
+                        row["server_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
                         if args.out:
                             write_json(args.out / "bench_serving.json", report)
         if args.soak_seconds > 0 and "dflash" in args.modes:
@@ -424,6 +443,10 @@ def main(argv=None) -> int:
                     write_json(args.out / "bench_serving.json", report)
             progress(soak(target, draft, tokenizer, args, new_prompts, clients, progress))
     print(table(report))
+    if "step_costs_ms" in report:
+        costs = report["step_costs_ms"]
+        print(f"DFlash step ms at widths {costs['widths']}: "
+              + "; ".join(f"{rows} rows {ms}" for rows, ms in costs["by_rows"].items()))
     return 0
 
 

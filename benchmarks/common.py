@@ -169,7 +169,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def add_engine_options(parser: argparse.ArgumentParser, context_default: str) -> None:
     """The serving engine's settings a benchmark passes on: the speculative policy (the server's
-    default), the step token budget and the context (``context_default`` says what it is
+    default), the step token budget, the context, batch-invariant mode (``context_default`` says what it is
     without the flag)."""
     parser.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="adaptive",
                         help="the DFlash runs' policy (the server's default: adaptive)")
@@ -178,6 +178,9 @@ def add_engine_options(parser: argparse.ArgumentParser, context_default: str) ->
     parser.add_argument("--max-model-len", type=positive_int,
                         help=f"the engines' context (default: {context_default}; one value across runs lets "
                              "--compile-cache serve them all)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engines in batch-invariant mode (the server's --batch-invariant; needs "
+                             "--speculative-policy fixed)")
 
 
 def add_auto_kernels_option(parser: argparse.ArgumentParser) -> None:

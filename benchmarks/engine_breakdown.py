@@ -129,7 +129,8 @@ def main(argv=None) -> int:
                             prefix_caching=False,                                # prompts rerun: prefill each
                             accept_replay=None if block is None else args.alpha,
                             speculative_policy=args.speculative_policy,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            batch_invariant=args.batch_invariant)
             engine.warmup(prompt_lengths=[args.prompt_len])
             row = {"mode": "plain" if block is None else f"dflash block {block}", **breakdown(engine, prompts, args)}
             engine.close()      # its KV pool goes before the next engine makes one

@@ -418,17 +418,17 @@ def test_bench_moe_times_the_mxfp4_kernel_against_its_packed_bytes(tmp_path, cap
 def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, capsys):
     """The serving benchmark at the tiny shape, prompts of a shared 16-token prefix (one page) and
     20 tokens of their own (one prefill shape, cached prefix or not): per concurrency a baseline
-    and a DFlash server (replayed acceptance: tau near its expectation) with prefix caching on and
-    off, each beside the offline engine's tok/s; the soak ends with no page in use. Then a JSON
+    and a DFlash server of 3 slots (replayed acceptance: tau near its expectation) with prefix
+    caching on and off, each serving both concurrencies, each row beside the offline engine's tok/s; the soak ends with no page in use. Then a JSON
     row at c1 on a DFlash server of the same shapes (its programs compiled already but the
     grammar's)."""
     settings = ["--shape", "tiny", "--rounds", "2", "--prompt-len", "20", "--shared-prefix-len", "16",
                 "--max-tokens", "24"]
-    assert bench_serving.main([*settings, "--concurrency", "1,3", "--soak-seconds", "1", "--soak-concurrency", "3",
-                               "--out", str(tmp_path)]) == 0
+    assert bench_serving.main([*settings, "--concurrency", "1,3", "--max-num-seqs", "3", "--soak-seconds", "1",
+                               "--soak-concurrency", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_serving.json").read_text())
     assert [(r["concurrency"], r["mode"], r["prefix_caching"], r["structured"]) for r in report["rows"]] == [
-        (c, mode, caching, "none") for c in (1, 3) for mode in ("baseline", "dflash") for caching in (True, False)]
+        (c, mode, caching, "none") for mode in ("baseline", "dflash") for caching in (True, False) for c in (1, 3)]
     for row in report["rows"]:
         assert row["requests"] == 2 * row["concurrency"] and row["tokens"] == 24 * row["requests"]
         assert row["offline_tok_s"] > 0 and row["ttft_p50_ms"] > 0 and "json_valid" not in row

@@ -276,7 +276,8 @@ def test_warmup_compiles_what_requests_run(spec_pair, compilations):
     nothing more; the first token arrives with the prefill, before any decode chunk."""
     engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=3, max_model_len=96, page_size=8,
                     prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
-    assert engine.warmup() == 10   # prefill: 1 or 2 rows x 16 or 64 tokens; admit, grow, release; decode: 1, 2, 3 rows
+    assert engine.warmup() == 11   # prefill: 1, 2 or 4 rows x 16 tokens, 1 or 2 x 64 (2 x 64 a call's most);
+    #                                admit, grow, release; decode: 1, 2, 3 rows
     with compilations() as compiled:
         requests, outputs = _run(engine, _prompts(5, seed=41, longest=90), RequestParams(max_tokens=6))
     assert [name for name in compiled if any(step in name for step in ENGINE_PROGRAMS)] == []
@@ -459,6 +460,26 @@ def test_a_burst_of_arrivals_is_prefilled_beside_decoding_within_the_step_budget
     assert any(s.get("steps") == engine.chunk_steps for s in steps_log if not s.get("waiting"))
     for prompt, m, request in zip(_prompts(2, seed=5, longest=8) + burst_prompts, [30] * 2 + [4] * 2, early + burst):
         assert request.token_ids == _alone(spec_pair.target, prompt, m, spec_pair.draft)
+    _check_idle(engine)
+
+
+def test_short_prompts_are_prefilled_more_rows_to_a_call(spec_pair):
+    """A prefill call holds prefill_rows x prefill_chunk tokens: eight 12-token prompts (16-token
+    pieces) go in one call of 8 rows where two 64-token pieces would; the greedy tokens are
+    those of each prompt decoded alone."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=8, max_model_len=96, page_size=8,
+                    prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference", prefix_caching=False)
+    calls, prefill = [], engine.device.prefill
+    engine.device.prefill = lambda rows: calls.append(len(rows)) or prefill(rows)
+    prompts = np.random.default_rng(8).integers(1, 120, size=(8, 12)).tolist()
+    requests, _ = _run(engine, prompts, RequestParams(max_tokens=5))
+    assert calls == [8] and engine.device.prefill_shape(8, 12) == (8, 16)
+    for prompt, request in zip(prompts, requests):
+        assert request.token_ids == _alone(spec_pair.target, prompt, 5, spec_pair.draft)
+    long_prompts = np.random.default_rng(9).integers(1, 120, size=(3, 40)).tolist()
+    calls.clear()
+    _run(engine, long_prompts, RequestParams(max_tokens=2))
+    assert calls == [2, 1]
     _check_idle(engine)
 
 

@@ -39,7 +39,9 @@ class Engine:
     max_model_len: prompt + generated tokens a request may hold (default: the target's
     max_position_embeddings); num_pages: the KV pages of the pool (default: enough for every
     slot at max_model_len); prefill_chunk: prompt tokens a row runs per engine step;
-    prefill_rows: requests prefilled together per step; chunk_steps: decode steps per chunk;
+    prefill_rows: requests of whole ``prefill_chunk`` pieces prefilled together per step (a prefill
+    call holds up to ``prefill_rows`` x ``prefill_chunk`` tokens: more rows when their remainders
+    are shorter, such as prompts after a cached prefix); chunk_steps: decode steps per chunk;
     max_waiting: requests the queue holds before ``submit`` refuses; top_k_cap: the largest top_k
     a request may sample with; max_logprobs: the most top log-probabilities a request may ask
     for (computed only while a running request asks). prefix_caching: reuse the KV pages of cached
@@ -52,8 +54,8 @@ class Engine:
     decoding ones never hold the new ones back a whole chunk): the prefill call takes the rows
     that fit beside one group of decode steps (at least one row), the decode chunk the steps
     that fit beside it (at least ``steps_per_check``, whole groups of them, at most
-    ``chunk_steps``). Default: ``prefill_rows`` x ``prefill_chunk`` tokens of prefill beside one
-    group of decode steps of every slot.
+    ``chunk_steps``). Default: a whole prefill call (``prefill_rows`` x ``prefill_chunk``
+    tokens) beside one group of decode steps of every slot.
     speculative_policy: "fixed" verifies the whole block every step; "adaptive" (with a draft)
     verifies, each step, the block width (2, 4, 8, ... up to the block) with the most expected
     tokens per second for the requests running, from each request's acceptance so far and a
@@ -129,12 +131,12 @@ class Engine:
         self.steps_per_check = steps_per_check or default_steps_per_check(chunk_steps)
         self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
         self.prefill_rows, self.max_waiting, self.top_k_cap = prefill_rows, max_waiting, top_k_cap
+        self.prefill_tokens = bucket(min(prefill_rows, max_num_seqs), per_doubling=1) * self.prefill_chunk  # a call's
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
                                                    or max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens = max_num_batched_tokens or (
-            min(prefill_rows, max_num_seqs) * self.prefill_chunk
-            + max_num_seqs * self.config.block_size * self.steps_per_check)
+            self.prefill_tokens + max_num_seqs * self.config.block_size * self.steps_per_check)
         if not isinstance(max_logprobs, int) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
@@ -370,7 +372,7 @@ class Engine:
         shape."""
         if self.has_work():
             raise RuntimeError("warmup runs before the first request")
-        programs = self.device.warmup(prompt_lengths, rows=min(self.prefill_rows, self.slots))
+        programs = self.device.warmup(prompt_lengths, tokens=self.prefill_tokens)
         self._calibrate_once()
         return programs
 
@@ -414,16 +416,19 @@ class Engine:
         return 0 if not decoding else steps * self.device.row_bucket(decoding) * self.config.block_size
 
     def _prefill(self) -> tuple[PrefillOutput, list[Request], int] | None:
-        """Dispatch one chunk of prompt tokens for the requests still prefilling, up to
-        ``prefill_rows`` of them and as many as fit the step's token budget beside one group of
-        decode steps (at least one), then cache the full prompt pages it wrote; returns its
+        """Dispatch one chunk of prompt tokens for the requests still prefilling: as many as the
+        call holds (``prefill_rows`` x ``prefill_chunk`` tokens, the rows' bucket x their longest
+        remainder's piece) and fit the step's token budget beside one group of decode steps (at
+        least one), then cache the full prompt pages it wrote; returns its
         output, those requests and the tokens it computes."""
-        rows = self.scheduler.prefilling(self.prefill_rows)
+        rows = self.scheduler.prefilling(self.prefill_rows if self.device.fixed_prefill_rows else self.slots)
         if not rows:
             return None
         sizes, fitting = {}, []
         for count in range(1, len(rows) + 1):
             sizes[count] = size = math.prod(shape := self._prefill_shape(rows[:count]))
+            if size > self.prefill_tokens:
+                break
             starting = sum(r.matcher is None and len(r.prompt_ids) - r.prefilled <= shape[1] for r in rows[:count])
             if size + self._decode_tokens(self.steps_per_check, starting) <= self.max_num_batched_tokens:
                 fitting.append(count)
