@@ -15,8 +15,8 @@ server's interpreter lock. Reports output tok/s (all tokens over the wall time),
 effective TPOT (per request: time after the first token over the tokens after it; mean), ITL p99
 (gaps between streamed chunks: DFlash delivers bursts), mean acceptance (tokens per DFlash step,
 from the server's spec-decode counters), the mean block width verified (and, under adaptive
-verification, the step costs the DFlash server measured: ms per step at each width and row
-count, ``step_costs_ms``), DFlash over plain at the
+verification, the step costs each DFlash server measured: ms per step at each width and row
+count, ``step_costs_ms`` by the server's slots), DFlash over plain at the
 same settings, and the offline engine's tok/s on the same prompts with c slots, after its
 warm-up (``Engine.warmup``: adaptive verification's step costs are measured before the clock
 starts; ``--skip-offline``: none).
@@ -130,6 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     unsupported = prefix_caching_unsupported(target_config, draft_config.model)
     if "on" in args.prefix_caching and unsupported:
         p.error(f"--prefix-caching on: not for --shape {args.shape} ({unsupported})")
+    if args.batch_invariant and "on" in args.prefix_caching:
+        p.error("--batch-invariant runs without prefix caching: pass --prefix-caching off")
+    if args.batch_invariant and "dflash" in args.modes and args.speculative_policy != "fixed":
+        p.error("--batch-invariant needs --speculative-policy fixed for the DFlash runs")
     return args
 
 
@@ -412,8 +416,10 @@ def main(argv=None) -> int:
                     on = caching == "on"
                     engine = engine_for(target, use_draft, tokenizer, slots, args, alpha, prefix_caching=on)
                     if engine.device.step_costs is not None:   # adaptive verification's, measured at warmup
-                        report["step_costs_ms"] = {"widths": list(engine.config.widths), "by_rows": {
-                            rows: [round(1e3 * float(t), 3) for t in costs] for rows, costs in engine.device.step_costs.items()}}
+                        report.setdefault("step_costs_ms", {})[slots] = {
+                            "widths": list(engine.config.widths),
+                            "by_rows": {rows: [round(1e3 * float(t), 3) for t in costs]
+                                        for rows, costs in engine.device.step_costs.items()}}
                     with BackgroundServer(engine, MODEL) as server:
                         for c in concurrencies:
                             for row in server_rows(server, clients, c, warm[c], timed[c], args, response_format,
@@ -443,9 +449,8 @@ def main(argv=None) -> int:
                     write_json(args.out / "bench_serving.json", report)
             progress(soak(target, draft, tokenizer, args, new_prompts, clients, progress))
     print(table(report))
-    if "step_costs_ms" in report:
-        costs = report["step_costs_ms"]
-        print(f"DFlash step ms at widths {costs['widths']}: "
+    for slots, costs in report.get("step_costs_ms", {}).items():
+        print(f"DFlash server of {slots} slots, step ms at widths {costs['widths']}: "
               + "; ".join(f"{rows} rows {ms}" for rows, ms in costs["by_rows"].items()))
     return 0
 

@@ -439,6 +439,8 @@ def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, ca
         assert row["prefix_cache_hit_rate"] == (16 / 36 if row["prefix_caching"] else 0)
         assert row["prefill_tokens_computed"] == row["requests"] * (20 if row["prefix_caching"] else 36)
         assert ("ttft_p50_off_over_on" in row) == row["prefix_caching"]
+    costs = report["step_costs_ms"]["3"]      # the adaptive DFlash servers' measured step costs
+    assert costs["widths"] == [2, 4, 8, 16] and all(ms > 0 for row in costs["by_rows"].values() for ms in row)
     assert report["soak"]["after"]["pages_in_use"] == 0 and report["soak"]["requests"] > 0
     assert report["soak"]["elapsed_s"] >= 1
     out = capsys.readouterr().out
@@ -460,6 +462,9 @@ def test_bench_serving_sweeps_both_modes_against_the_offline_engine(tmp_path, ca
     (["--structured", "xml"], "unknown xml"), (["--prefix-caching", "on,of"], "unknown of"),
     (["--shared-prefix-len", "-1"], "must be an integer >= 0"),
     (["--shape", "tiny-hybrid", "--shared-prefix-len", "16"], "--prefix-caching on: not for --shape tiny-hybrid"),
+    (["--batch-invariant"], "--batch-invariant needs --speculative-policy fixed"),
+    (["--batch-invariant", "--speculative-policy", "fixed", "--shared-prefix-len", "16"],
+     "--batch-invariant runs without prefix caching"),
 ])
 def test_bench_serving_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert message in parse_error(capsys, bench_serving.parse_args, argv)

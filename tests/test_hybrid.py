@@ -227,6 +227,7 @@ def test_prefill_in_chunks_changes_nothing(hybrid_pair):
     whole = generate(target, prompts, draft=draft, max_new_tokens=16, block_size=8, impl="reference")
     engine = Engine(target, draft, max_num_seqs=2, max_model_len=max(map(len, prompts)) + 16, block_size=8,
                     prefill_chunk=4, prefill_rows=1, impl="reference")
+    assert engine.prefill_row_cap == 1    # a hybrid's calls keep to prefill_rows rows, however short
     requests, stats = run_requests(engine, prompts, [RequestParams(max_tokens=16)] * len(prompts))
     assert [r.token_ids for r in requests] == whole.tokens
     assert stats.accept_lengths == whole.stats.accept_lengths

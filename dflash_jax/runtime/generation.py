@@ -196,14 +196,14 @@ def batch_engine(target: Target, draft: Draft | None, prompt_lengths: Sequence[i
     positions to one of four sizes per doubling, at most a quarter more) so that nearby batches
     run the same compiled programs; its queue holds the whole batch, and each step prefills up
     to ``PREFILL_TOKENS`` prompt tokens (a large batch of short prompts starts decoding in a few
-    steps, not eight rows a step)."""
+    steps: a call holds more rows of short prompts than of whole chunks)."""
     slots = next_power_of_2(len(prompt_lengths))
     if max_num_seqs is not None:
         slots = min(slots, max_num_seqs)
     needed = max(prompt_lengths) + max(max_new_tokens)
     max_model_len = min(bucket(needed, per_doubling=4), target.config.max_position_embeddings)
-    row_tokens = min(next_power_of_2(max(prompt_lengths)), engine_options.get("prefill_chunk", PREFILL_CHUNK))
-    prefill_rows = min(slots, max(8, PREFILL_TOKENS // row_tokens))
+    chunk = min(next_power_of_2(engine_options.get("prefill_chunk", PREFILL_CHUNK)), next_power_of_2(max_model_len))
+    prefill_rows = min(slots, max(8, PREFILL_TOKENS // chunk))   # a call's rows of whole chunks; shorter pack more
     return Engine(target, draft, tokenizer, max_num_seqs=slots, max_model_len=max_model_len,
                   max_waiting=max(len(prompt_lengths), 1), prefill_rows=prefill_rows, **engine_options)
 

@@ -41,7 +41,8 @@ class Engine:
     slot at max_model_len); prefill_chunk: prompt tokens a row runs per engine step;
     prefill_rows: requests of whole ``prefill_chunk`` pieces prefilled together per step (a prefill
     call holds up to ``prefill_rows`` x ``prefill_chunk`` tokens: more rows when their remainders
-    are shorter, such as prompts after a cached prefix); chunk_steps: decode steps per chunk;
+    are shorter, such as prompts after a cached prefix, except for hybrid targets and
+    batch-invariant engines); chunk_steps: decode steps per chunk;
     max_waiting: requests the queue holds before ``submit`` refuses; top_k_cap: the largest top_k
     a request may sample with; max_logprobs: the most top log-probabilities a request may ask
     for (computed only while a running request asks). prefix_caching: reuse the KV pages of cached
@@ -132,6 +133,11 @@ class Engine:
         self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
         self.prefill_rows, self.max_waiting, self.top_k_cap = prefill_rows, max_waiting, top_k_cap
         self.prefill_tokens = bucket(min(prefill_rows, max_num_seqs), per_doubling=1) * self.prefill_chunk  # a call's
+        # A call's rows: any number within prefill_tokens, but prefill_rows for batch-invariant engines
+        # (one shape) and hybrid targets (a row's recurrent state is gathered for the call, tens of
+        # MiB a row at real shapes).
+        self.prefill_row_cap = min(prefill_rows, max_num_seqs) if config.recurrent_layers or batch_invariant \
+            else max_num_seqs
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
                                                    or max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
@@ -372,7 +378,7 @@ class Engine:
         shape."""
         if self.has_work():
             raise RuntimeError("warmup runs before the first request")
-        programs = self.device.warmup(prompt_lengths, tokens=self.prefill_tokens)
+        programs = self.device.warmup(prompt_lengths, tokens=self.prefill_tokens, rows=self.prefill_row_cap)
         self._calibrate_once()
         return programs
 
@@ -409,28 +415,37 @@ class Engine:
             self.stats.prefix_cache_queries += sum(len(r.prompt_ids) for r in admitted)
             self.stats.prefix_cache_hits += sum(r.cached_tokens for r in admitted)
 
-    def _decode_tokens(self, steps: int, starting: int = 0) -> int:
-        """Tokens a decode chunk of ``steps`` steps computes for the requests decoding now and
-        ``starting`` more (their row bucket x the block)."""
-        decoding = starting + sum(r is not None and r.matcher is None for r in self.scheduler.decoding())
+    def _decode_tokens(self, steps: int, decoding: int | None = None) -> int:
+        """Tokens a decode chunk of ``steps`` steps computes for ``decoding`` rows (default: the
+        requests decoding now without a grammar): their row bucket x the block."""
+        if decoding is None:
+            decoding = sum(r is not None and r.matcher is None for r in self.scheduler.decoding())
         return 0 if not decoding else steps * self.device.row_bucket(decoding) * self.config.block_size
 
     def _prefill(self) -> tuple[PrefillOutput, list[Request], int] | None:
         """Dispatch one chunk of prompt tokens for the requests still prefilling: as many as the
-        call holds (``prefill_rows`` x ``prefill_chunk`` tokens, the rows' bucket x their longest
-        remainder's piece) and fit the step's token budget beside one group of decode steps (at
-        least one), then cache the full prompt pages it wrote; returns its
-        output, those requests and the tokens it computes."""
-        rows = self.scheduler.prefilling(self.prefill_rows if self.device.fixed_prefill_rows else self.slots)
+        call holds (``prefill_tokens``: the rows' bucket x their longest remainder's piece; at most
+        ``prefill_row_cap`` rows, ``prefill_rows`` with a grammar's masks) and fit the step's token
+        budget beside one group of decode steps (at least one), then cache the full prompt pages
+        it wrote; returns its output, those requests and the tokens it computes."""
+        rows = self.scheduler.prefilling(self.slots)
+        # a grammar's masked calls compile at first use, not at warmup: few shapes
+        rows = rows[:self.prefill_rows if any(r.matcher is not None for r in rows) else self.prefill_row_cap]
         if not rows:
             return None
-        sizes, fitting = {}, []
-        for count in range(1, len(rows) + 1):
-            sizes[count] = size = math.prod(shape := self._prefill_shape(rows[:count]))
+        decoding = sum(r is not None and r.matcher is None for r in self.scheduler.decoding())
+        sizes, fitting, longest, chunk, starting = {}, [], 0, 0, 0
+        for count, request in enumerate(rows, 1):
+            longest = max(longest, len(request.prompt_ids) - request.prefilled)
+            sizes[count] = size = math.prod(shape := self.device.prefill_shape(count, longest))
             if size > self.prefill_tokens:
                 break
-            starting = sum(r.matcher is None and len(r.prompt_ids) - r.prefilled <= shape[1] for r in rows[:count])
-            if size + self._decode_tokens(self.steps_per_check, starting) <= self.max_num_batched_tokens:
+            if shape[1] != chunk:     # rows whose rest fits the call start decoding after it
+                chunk = shape[1]
+                starting = sum(r.matcher is None and len(r.prompt_ids) - r.prefilled <= chunk for r in rows[:count])
+            else:
+                starting += request.matcher is None and len(request.prompt_ids) - request.prefilled <= chunk
+            if size + self._decode_tokens(self.steps_per_check, decoding + starting) <= self.max_num_batched_tokens:
                 fitting.append(count)
         smallest = min(sizes.values())    # none fits: the most rows of the smallest call (one shape: all)
         rows = rows[:max(fitting or [count for count, size in sizes.items() if size == smallest])]
@@ -441,9 +456,6 @@ class Engine:
         self.stats.prefill_tokens_computed += sum(r.prefilled for r in rows) - before
         self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in rows if r.decoding)
         return output, rows, tokens
-
-    def _prefill_shape(self, rows: list[Request]) -> tuple[int, int]:
-        return self.device.prefill_shape(len(rows), max(len(r.prompt_ids) - r.prefilled for r in rows))
 
     def _chunk_steps(self, prefill_tokens: int) -> int:
         """The decode chunk's steps: all ``chunk_steps`` when no prompt waits to be prefilled,

@@ -350,9 +350,9 @@ class Device:
         """A dispatched call's output on the host (waits for it)."""
         return _on_host(output)
 
-    def warmup(self, prompt_lengths: Sequence[int] | None, tokens: int) -> int:
-        """Compile the prefill shapes of up to ``tokens`` tokens, the most an engine's call holds
-        (padding rows only, which write nothing), the slot updates and the greedy decode chunk of
+    def warmup(self, prompt_lengths: Sequence[int] | None, tokens: int, rows: int) -> int:
+        """Compile the prefill shapes of up to ``rows`` rows and ``tokens`` tokens, the most an
+        engine's call holds (padding rows only, which write nothing), the slot updates and the greedy decode chunk of
         each row bucket (padding rows only: it returns at once). ``prompt_lengths``: only the
         shapes prompts of these lengths use; by default every shape. Returns the number of
         programs run."""
@@ -360,7 +360,7 @@ class Device:
             remainders = {1, 17, 65, 257, 1025, 4097, self.prefill_chunk}
         else:
             remainders = {length - start for length in prompt_lengths for start in range(0, length, self.prefill_chunk)}
-        shapes = sorted({shape for count in range(1, self.slots + 1) for longest in remainders
+        shapes = sorted({shape for count in range(1, rows + 1) for longest in remainders
                          if math.prod(shape := self.prefill_shape(count, longest)) <= tokens})
         for count, chunk in shapes:
             self.state, _ = self._prefill_call(np.full((count,), self.slots, np.int32),
