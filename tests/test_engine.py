@@ -483,6 +483,25 @@ def test_short_prompts_are_prefilled_more_rows_to_a_call(spec_pair):
     _check_idle(engine)
 
 
+def test_first_tokens_are_sent_before_the_decode_chunk_is_dispatched(spec_pair):
+    """A request's first token goes out as its prefill ends, before the step dispatches the
+    decode chunk that holds it (on a GPU that dispatch returns only when the chunk ends)."""
+    engine = Engine(spec_pair.target, spec_pair.draft, max_num_seqs=2, max_model_len=96, page_size=8,
+                    prefill_chunk=64, prefill_rows=2, chunk_steps=2, impl="reference")
+    delivered_at_dispatch, chunk = [], engine.device.chunk
+
+    def recorded_chunk(owners, steps=None):
+        delivered_at_dispatch.append([r.delivered for r in owners if r is not None])
+        return chunk(owners, steps)
+
+    engine.device.chunk = recorded_chunk
+    prompts = _prompts(2, seed=12)
+    requests, outputs = _run(engine, prompts, RequestParams(max_tokens=6))
+    assert delivered_at_dispatch and all(d >= 1 for counts in delivered_at_dispatch for d in counts)
+    for prompt, request in zip(prompts, requests):
+        assert request.token_ids == _alone(spec_pair.target, prompt, 6, spec_pair.draft)
+
+
 def test_the_adaptive_width_follows_expected_tokens_per_second():
     """``choose_width``: every draft accepted and costs growing slower than the block: the widest;
     nothing accepted: the narrowest; a width ruled out by an infinite cost is never chosen; a row

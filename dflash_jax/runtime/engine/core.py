@@ -285,10 +285,12 @@ class Engine:
             if not self.has_work():
                 return False
             prefilled = self._prefill()
-            chunk = self._dispatch_chunk(0 if prefilled is None else prefilled[2])
             if prefilled is not None:
+                # First tokens before the decode chunk is dispatched: on a GPU that dispatch returns
+                # only when the chunk ends (its loop's stop test is read back every iteration).
                 output, rows, _ = prefilled
                 self.output.first_tokens(self.device.read(output), rows)
+            chunk = self._dispatch_chunk(0 if prefilled is None else prefilled[2])
             self._grammar_step()
             previous, self._in_flight = self._in_flight, chunk
             if previous is not None:
