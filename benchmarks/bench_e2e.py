@@ -43,10 +43,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, check_block_sizes,  # noqa: E402
-                    check_positions, measure_ceilings, median_seconds, names_from, output_dir,
-                    override_auto_kernels, positive_int, positive_ints, random_models, random_prompts,
-                    require_accelerator, run_record, write_json)
+from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, add_routing_option,  # noqa: E402
+                    check_block_sizes, check_positions, check_routing, expected_experts, expert_report,
+                    measure_ceilings, median_seconds, names_from, output_dir, override_auto_kernels, positive_int,
+                    positive_ints, print_expert_report, random_models, random_prompts, require_accelerator,
+                    routing_name, run_record, write_json)
 
 from dflash_jax.model import draft as draft_model  # noqa: E402
 from dflash_jax.model import target as target_model  # noqa: E402
@@ -108,20 +109,14 @@ class Cost:
         return Cost(self.bytes + other.bytes, self.flops + other.flops, self.reduce_seconds + other.reduce_seconds)
 
 
-def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts routed by ``tokens`` tokens of ``top_k`` distinct experts each,
-    routing uniform and independent between tokens (what random weights and prompts give):
-    E (1 - (1 - k/E)^tokens). At Qwen3-30B-A3B's 128 x top 8: 8 at 1 token, 82 at 16, 128 at 512."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-
-
 class Roofline:
     """What each part of a step must move and compute (the weights it reads, the context's KV
     cache; matmuls at 2 FLOPs per weight per token, attention at 4 per query head and dimension
     per (query, key) pair), turned into a floor time by the measured
     ceilings: the larger of bytes over the copy bandwidth and FLOPs over the matmul rate. A DFlash
     step is its three parts: draft, verify and commit. A MoE layer reads only its routed experts:
-    ``expected_experts`` of them for the tokens of the pass, each token computing top_k. A hybrid's
+    ``expected_experts`` of them for the tokens of the pass (independent between tokens, under
+    ``skew``: ``--routing independent:SKEW``), each token computing top_k. A hybrid's
     Gated DeltaNet states count once read and once written per step (the floor; the rollback
     reads them once more: ``dflash_jax.model.cache``). Split over ``shards`` devices (tensor
     parallelism) the floor is one device's share: split weights, KV, states and FLOPs divided by
@@ -130,8 +125,9 @@ class Roofline:
     run: one f32 sum of ``rows`` hidden-wide rows): two a layer and the embedding's one."""
 
     def __init__(self, target: Target, draft: Draft, ceilings: dict, shards: int = 1, draft_shards: int = 1,
-                 allreduce_seconds: Callable[[int], float] | None = None):
+                 allreduce_seconds: Callable[[int], float] | None = None, skew: float = 0.0):
         tc, dc = target.config, draft.config.model
+        self.skew = skew
         self.allreduce_seconds = allreduce_seconds or (lambda rows: 0.0)
         self.target_reductions = 2 * tc.num_layers + 1
         # the block's embedding (the target's, split) and, when the draft is split, its layers'
@@ -178,7 +174,8 @@ class Roofline:
 
     def experts(self, tokens: int) -> Cost:
         """The routed experts of a target pass over ``tokens`` tokens."""
-        return Cost(sum(expected_experts(e, k, tokens) * per_expert for e, k, per_expert, _ in self.moe_layers),
+        return Cost(sum(expected_experts(e, k, tokens, self.skew) * per_expert
+                        for e, k, per_expert, _ in self.moe_layers),
                     sum(2 * k * params * tokens for _, k, _, params in self.moe_layers))
 
     def verify(self, batch, context, block) -> Cost:
@@ -457,7 +454,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict 
                         help="decode steps between the loop's stop checks (must divide --steps; default: "
                         "decode.default_steps_per_check, what users get)")
     add_auto_kernels_option(parser)
+    add_routing_option(parser)
     args = parser.parse_args(argv)
+    check_routing(parser, args)
     for name, value in SHAPE_DEFAULTS[args.shape].items():  # the tiny shape's are small enough for a CPU
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -500,8 +499,12 @@ def main(argv: list[str] | None = None):
 
     report = run_record(args)
     report.update(shape=args.shape, impl=args.impl, auto_kernels=auto_kernels, tp=args.tp,
-                  replicate_draft=args.replicate_draft, expert_parallel=args.expert_parallel, decode={}, parts={},
-                  e2e={})
+                  replicate_draft=args.replicate_draft, expert_parallel=args.expert_parallel,
+                  routing=routing_name(args.routing), decode={}, parts={}, e2e={})
+    moe = next((layer.ffn for layer in SHAPES[args.shape][0].layers if isinstance(layer.ffn, MoESpec)), None)
+    if moe is not None:  # what each pass would read, routing independent between tokens
+        report["distinct_experts"] = expert_report(moe.num_experts, moe.top_k, args.batches, max(args.blocks),
+                                                   args.routing.skew if args.routing else None)
     if reference:
         report["reference"] = reference
     save = functools.partial(write_json, args.out / "bench_e2e.json", report)
@@ -512,7 +515,7 @@ def main(argv: list[str] | None = None):
     if args.tp > 1:
         tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                          expert_parallel=args.expert_parallel)
-    target, draft = random_models(args.shape, tensor_parallel)
+    target, draft = random_models(args.shape, tensor_parallel, args.routing)
     report["allreduce_us"] = measured = {}  # per row count, when split
 
     def allreduce(rows: int) -> float:
@@ -522,7 +525,8 @@ def main(argv: list[str] | None = None):
             log("allreduce", rows, "rows", f"{measured[rows]:.1f} us")
         return measured[rows] / 1e6
     roof = Roofline(target, draft, ceilings, shards=args.tp, draft_shards=1 if args.replicate_draft else args.tp,
-                    allreduce_seconds=None if tensor_parallel is None else allreduce)
+                    allreduce_seconds=None if tensor_parallel is None else allreduce,
+                    skew=args.routing.skew if args.routing else 0.0)
     report["bytes"] = roof.weight_bytes()
     save()
 
@@ -580,6 +584,8 @@ def print_table(report):
           f"{c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (" +
           ", ".join(f"{k} {v / 1e3:.2f}" for k, v in c["copies_GBps"].items()) +
           f" TB/s) | bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    if report.get("distinct_experts"):
+        print_expert_report(report["distinct_experts"], report["routing"])
     if report.get("allreduce_us"):
         print("f32 all-reduce (in the floors), us per rows: " +
               ", ".join(f"{rows}: {us:.1f}" for rows, us in sorted(report["allreduce_us"].items())))

@@ -8,8 +8,9 @@ bandwidth, in one run (MXFP4: the reference and the kernel; the others index den
 
 Each timed call runs ``--layers`` layers' experts in turn inside one jitted loop (1.2 GB a layer:
 no call finds the last call's weights in L2), each layer's weights their own arrays as in the
-model. Routing is uniform at random, as random
-weights route. ``--tunings`` times kernel variants beside the default.
+model. Each token's experts are drawn uniformly, independently of the other tokens' (what
+``--routing independent`` gives the engine benchmarks; a random router routes a block's tokens far
+more alike). ``--tunings`` times kernel variants beside the default.
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out $OUT [--tokens 1,8,16,32,128,512]
 """

@@ -74,8 +74,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (SHAPES, acceptance_rate, add_engine_options, engine_run_models, names_from,  # noqa: E402
-                    output_dir, positive_int, positive_ints, random_prompts, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_engine_options, add_routing_option, check_routing,  # noqa: E402
+                    engine_run_models, names_from, output_dir, positive_int, positive_ints, random_prompts,
+                    run_record, write_json)
 
 from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, at_least, reported_as_errors  # noqa: E402
 from dflash_jax.runtime.engine import Engine, RequestParams, compile_seconds  # noqa: E402
@@ -116,11 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=positive_int,
                    help="the servers' slots (default: the concurrency of the row)")
     add_engine_options(p, "--shared-prefix-len + --prompt-len + --max-tokens")
+    add_routing_option(p)
     p.add_argument("--skip-offline", action="store_true", help="no offline-engine rows")
     p.add_argument("--soak-seconds", type=float, default=0.0)
     p.add_argument("--soak-concurrency", type=positive_int, default=64)
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
     args = p.parse_args(argv)
+    check_routing(p, args)
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or set(args.modes) - {"baseline", "dflash"}:
         p.error(f"--modes: baseline and/or dflash, got {','.join(args.modes)}")

@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import word_tokenizer  # noqa: E402
-from common import (SHAPES, acceptance_rate, add_engine_options, engine_run_models, output_dir, positive_int,  # noqa: E402
-                    positive_ints, random_prompts, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_engine_options, add_routing_option, check_routing,  # noqa: E402
+                    engine_run_models, output_dir, positive_int, positive_ints, random_prompts, run_record, write_json)
 
 from dflash_jax.runtime.engine import device as engine_module  # noqa: E402
 from dflash_jax.entrypoints.cli import COMPILE_CACHE_HELP, reported_as_errors  # noqa: E402
@@ -42,8 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=positive_ints, default=[16, 8], help="DFlash block sizes (beside plain decoding)")
     p.add_argument("--chunk-steps", type=positive_int, default=8)
     add_engine_options(p, "--prompt-len + --max-tokens")
+    add_routing_option(p)
     p.add_argument("--compile-cache", metavar="DIR", help=COMPILE_CACHE_HELP)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_routing(p, args)
+    return args
 
 
 @contextmanager

@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import time_chunk  # noqa: E402
-from common import (SHAPES, acceptance_rate, add_auto_kernels_option, check_block_sizes, check_positions,  # noqa: E402
-                    names_from, output_dir, override_auto_kernels, positive_int, random_models, random_prompts,
-                    require_accelerator, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_auto_kernels_option, add_routing_option, check_block_sizes,  # noqa: E402
+                    check_positions, check_routing, names_from, output_dir, override_auto_kernels, positive_int,
+                    random_models, random_prompts, require_accelerator, run_record, write_json)
 
 from dflash_jax.model.ops import IMPLS  # noqa: E402
 from dflash_jax.entrypoints.cli import at_least  # noqa: E402
@@ -109,7 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the models over this many devices; GPU 0's kernels are profiled (its "
                              "all-reduces among them)")
     add_auto_kernels_option(parser)
+    add_routing_option(parser)
     args = parser.parse_args(argv)
+    check_routing(parser, args)
     check_block_sizes(parser, "--block", [args.block], args.shape)
     check_positions(parser, "--context", [args.context], args.steps * args.block + 1, args.shape)
     if args.tp > jax.device_count():
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None):
     require_accelerator(args.shape)
     override_auto_kernels(args.auto_kernels)
     args.out.mkdir(parents=True, exist_ok=True)
-    target, draft = random_models(args.shape, None if args.tp == 1 else TensorParallel(make_mesh(args.tp)))
+    target, draft = random_models(args.shape, None if args.tp == 1 else TensorParallel(make_mesh(args.tp)),
+                                  args.routing)
     prompts = random_prompts(np.random.default_rng(0), args.batch, args.context, target.config.vocab_size)
     report = run_record(args)
     save = functools.partial(write_json, args.out / "profile.json", report)

@@ -127,6 +127,60 @@ def test_bench_e2e_defaults_follow_the_shape():
     assert bench_e2e.parse_args(["--shape", "qwen3-30b-a3b"])[0].blocks == [4, 8, 16]
 
 
+@pytest.mark.parametrize("script", [bench_e2e, profile_step, bench_serving, engine_breakdown])
+def test_routing_option_parses_and_refuses_a_dense_shape(capsys, script):
+    """--routing model|independent|independent:SKEW: only a MoE shape's experts can be drawn."""
+    from common import IndependentRouting
+
+    def parse(argv):
+        parsed = script.parse_args(argv)
+        return parsed[0] if isinstance(parsed, tuple) else parsed
+
+    assert parse(["--shape", "tiny-moe"]).routing is None
+    assert parse(["--shape", "tiny-moe", "--routing", "independent"]).routing == IndependentRouting(0.0)
+    assert parse(["--shape", "tiny-moe", "--routing", "independent:1.5"]).routing == IndependentRouting(1.5)
+    assert parse(["--shape", "tiny", "--routing", "model"]).routing is None
+    line = parse_error(capsys, parse, ["--shape", "tiny", "--routing", "independent"])
+    assert line.endswith("--routing independent: the target has no MoE layers (--shape tiny)")
+    for bad, message in (("independent:-1", "skew must be a finite number >= 0"), ("independent:x", "'independent:x'"),
+                         ("uniform", "expected model, independent or independent:SKEW")):
+        assert message in parse_error(capsys, parse, ["--shape", "tiny-moe", "--routing", bad])
+
+
+def test_routing_puts_the_draw_on_every_moe_layer_of_the_target_only():
+    from common import IndependentRouting, random_models
+    from dflash_jax.model.nn.moe import MoESpec
+
+    target, draft = random_models("tiny-moe", routing=IndependentRouting(0.5))
+    assert all(layer.ffn.routing == IndependentRouting(0.5) for layer in target.config.layers)
+    assert not any(isinstance(layer.ffn, MoESpec) for layer in draft.config.model.layers)
+    assert all(layer.ffn.routing is None for layer in random_models("tiny-moe")[0].config.layers)
+
+
+def test_expert_report_gives_uniform_and_skewed_expectations():
+    from common import expert_report
+    report = expert_report(128, 8, [1, 4], 16, skew=1.0)
+    passes = report["passes"]
+    assert (report["num_experts"], report["top_k"], report["skew"]) == (128, 8, 1.0)
+    assert set(passes) == {"decode_bs1", "verify_bs1_block16", "decode_bs4", "verify_bs4_block16"}
+    assert passes["decode_bs1"]["uniform"] == pytest.approx(8) and passes["decode_bs1"]["skewed"] == pytest.approx(8)
+    assert passes["verify_bs1_block16"]["uniform"] == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    assert passes["verify_bs4_block16"]["tokens"] == 64
+    assert passes["verify_bs4_block16"]["skewed"] < passes["verify_bs4_block16"]["uniform"]
+    assert "skewed" not in expert_report(128, 8, [1], 16)["passes"]["decode_bs1"]
+
+
+def test_bench_e2e_prints_the_routing_and_its_expected_experts(tmp_path, capsys):
+    status, out, err = run_bench_e2e(tmp_path, capsys, "--shape", "tiny-moe", "--routing", "independent:1",
+                                     "--skip", "parts,e2e", "--batches", "1", "--contexts", "16")
+    assert status == 0, err
+    report = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())
+    assert report["routing"] == report["settings"]["routing"] == "independent:1"
+    assert set(report["distinct_experts"]["passes"]["verify_bs1_block16"]) == {"tokens", "uniform", "skewed"}
+    assert "MoE routing independent:1: expected distinct experts of 8 (top 2)" in out
+    assert re.search(r"verify_bs1_block16 +16 +7\.9 +7\.\d", out)
+
+
 def test_bench_e2e_accepts_steps_per_check_that_divides_only_the_chunks_it_runs():
     args, _ = bench_e2e.parse_args(["--steps", "16", "--steps-per-check", "32", "--skip", "e2e"])
     assert args.steps_per_check == 32

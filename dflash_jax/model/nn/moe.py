@@ -8,6 +8,7 @@ The experts run as a grouped matmul over (token, expert) pairs sorted by expert 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,23 @@ _RANDOM_MXFP4_SCALE = 120
 
 
 @dataclasses.dataclass(frozen=True)
+class IndependentRouting:
+    """Benchmarks only (``MoESpec.routing``): each token's top_k experts drawn independently of
+    every other token's instead of the router's choice, without replacement, expert e drawn with
+    weight proportional to 1 / (e + 1)^``skew`` (0: uniform). The draw is Gumbel-top-k with noise
+    hashed from the bits of the token's router input: equal rows get equal experts, rows that
+    differ independent draws; the same on every shard of a split model (each routes every token
+    from the same replicated rows). Random router weights route the tokens of a verify block far
+    more alike than a trained router, so they read fewer experts than a real model would."""
+
+    skew: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.skew) and self.skew >= 0):
+            raise ConfigError(f"independent routing's skew must be a finite number >= 0, got {self.skew}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MoESpec:
     """``num_experts`` experts of width ``intermediate_size`` (HF ``moe_intermediate_size``),
     ``top_k`` per token (``num_experts_per_tok``). Routing: softmax over all experts in f32,
@@ -35,7 +53,9 @@ class MoESpec:
     projections carry biases. ``swiglu_limit``: gpt-oss's clamped SwiGLU, (clip(up, +-limit) + 1)
     * g * sigmoid(swiglu_alpha * g) with g = min(gate, limit) (None: silu(gate) * up).
     ``mxfp4``: the routed experts' weights are kept in MXFP4 (``Mxfp4Weight``: 4-bit codes and a
-    scale per 32 inputs, as gpt-oss releases them) instead of the params' dtype."""
+    scale per 32 inputs, as gpt-oss releases them) instead of the params' dtype. ``routing``:
+    None (the router's top k), or ``IndependentRouting``, which benchmarks of random weights set
+    (the experts drawn per token; the weights still the router's softmax at them)."""
 
     num_experts: int
     top_k: int
@@ -46,6 +66,7 @@ class MoESpec:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     mxfp4: bool = False
+    routing: IndependentRouting | None = None
 
     def __post_init__(self):
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -101,16 +122,57 @@ def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0
                      router_bias=zeros(e), gate_up_bias=zeros(e, 2 * i), down_bias=zeros(e, hidden))
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser: a bijection of uint32 in which every input bit moves every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _row_hashes(h: jax.Array) -> jax.Array:
+    """A uint32 hash [N] of each row's bits of h [N, H]: equal rows hash equal; rows that differ in
+    one element always differ, in several collide with probability about 2^-32."""
+    n = h.shape[0]
+    if h.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(h, jnp.uint32).reshape(n, -1)
+    else:
+        bits = jax.lax.bitcast_convert_type(h, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[h.dtype.itemsize])
+        bits = bits.astype(jnp.uint32)
+    position = jnp.arange(bits.shape[1], dtype=jnp.uint32)
+    # per element a bijection of its bits (odd multiplier), salted by its position; summed mod 2^32
+    terms = _mix32(bits * jnp.uint32(0x9E3779B1) + _mix32(position + jnp.uint32(0x632BE5AB)))
+    return _mix32(jnp.sum(terms, axis=1, dtype=jnp.uint32))
+
+
+def independent_experts(h: jax.Array, num_experts: int, top_k: int, skew: float) -> jax.Array:
+    """``IndependentRouting``'s experts [N, k] int32 of rows h [N, H]: the top k of log p_e + g,
+    p_e = 1 / (e + 1)^skew, g standard Gumbel noise hashed from the row's bits and e (Gumbel-top-k:
+    k draws without replacement, each in proportion to p among the experts not yet drawn)."""
+    expert = jnp.arange(num_experts, dtype=jnp.uint32)
+    keys = _mix32(_mix32(_row_hashes(h)[:, None] + expert * jnp.uint32(0x85EBCA77)) ^ jnp.uint32(0x27D4EB2F))
+    uniform = ((keys >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    scores = -jnp.log(-jnp.log(uniform)) - skew * jnp.log1p(expert.astype(jnp.float32))
+    return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
+
+
 def route(h: jax.Array, router: jax.Array, spec: MoESpec,
           router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(experts [N, k] int32, weights [N, k] in h's dtype) of tokens h [N, H], as transformers'
     router: logits (+ bias) in h's dtype, softmax in f32, top k, renormalised when
-    ``norm_topk_prob`` (gpt-oss's softmax over the top k logits is the same numbers)."""
+    ``norm_topk_prob`` (gpt-oss's softmax over the top k logits is the same numbers). With
+    ``spec.routing``, the experts are ``independent_experts`` and the weights the softmax at them,
+    renormalised the same way."""
     logits = h @ router
     if router_bias is not None:
         logits = logits + router_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, spec.top_k)
+    if spec.routing is None:
+        weights, experts = jax.lax.top_k(probs, spec.top_k)
+    else:
+        experts = independent_experts(h, spec.num_experts, spec.top_k, spec.routing.skew)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if spec.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return experts.astype(jnp.int32), weights.astype(h.dtype)
