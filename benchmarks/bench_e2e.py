@@ -14,6 +14,9 @@ decision is replaced. Every timed chunk starts from a fresh, untimed prefill of 
   speedup over the own baseline at the same batch and context, both at the expected tau (so they
   are unbiased for alpha), and the tau the replay realized over all repeats (each with its own
   seed) as a check;
+- a MoE target's distinct experts per layer of a decode step and of a verify block: expected
+  under independent routing (``--routing``), and (``experts`` section, one device) those its own
+  routing picks over random tokens;
 - the z-lab reference's decode and DFlash step (from bench_reference.py's JSON, same machine), and
   ours over it at equal (expected) acceptance: bs 1, block 16, the reference's context.
 
@@ -45,9 +48,9 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CEILING_SIZES, SHAPES, acceptance_rates, add_auto_kernels_option, add_routing_option,  # noqa: E402
                     check_block_sizes, check_positions, check_routing, expected_experts, expert_report,
-                    measure_ceilings, median_seconds, names_from, output_dir, override_auto_kernels, positive_int,
-                    positive_ints, print_expert_report, random_models, random_prompts, require_accelerator,
-                    routing_name, run_record, write_json)
+                    measure_ceilings, measured_experts, median_seconds, names_from, output_dir, override_auto_kernels,
+                    positive_int, positive_ints, print_expert_report, random_models, random_prompts,
+                    require_accelerator, routing_name, run_record, write_json)
 
 from dflash_jax.model import draft as draft_model  # noqa: E402
 from dflash_jax.model import target as target_model  # noqa: E402
@@ -61,7 +64,7 @@ from dflash_jax.model.nn.moe import MoESpec  # noqa: E402
 from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 
-SECTIONS = ("decode", "parts", "e2e")
+SECTIONS = ("decode", "parts", "e2e", "experts")
 # Batches and contexts per shape when not given: the grid at Qwen3-8B, a CPU smoke test at
 # tiny (whose reference attention holds every score: bs 32 at 4096 tokens took ~20 GB).
 _GPU_GRID = {"batches": [1, 8, 32], "contexts": [512, 4096], "parts_batches": [1, 32], "blocks": [4, 8, 16]}
@@ -516,6 +519,17 @@ def main(argv: list[str] | None = None):
         tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                          expert_parallel=args.expert_parallel)
     target, draft = random_models(args.shape, tensor_parallel, args.routing)
+    if moe is not None and tensor_parallel is None and "experts" not in args.skip:
+        # the experts the target's own routing picks per pass, beside the expectations
+        experts = report["distinct_experts"]
+        experts["measured_context"] = context = min(args.contexts)
+        block = max(args.blocks)
+        for batch in args.batches:
+            start = time.perf_counter()
+            measured = measured_experts(target, batch, context, (1, block))
+            experts["passes"][f"decode_bs{batch}"]["measured"] = measured[1]
+            experts["passes"][f"verify_bs{batch}_block{block}"]["measured"] = measured[block]
+            log("experts", batch, measured, f"{time.perf_counter() - start:.1f} s")
     report["allreduce_us"] = measured = {}  # per row count, when split
 
     def allreduce(rows: int) -> float:

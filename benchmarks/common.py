@@ -241,15 +241,62 @@ def expert_report(num_experts: int, top_k: int, batches: Sequence[int], block: i
     return {"num_experts": num_experts, "top_k": top_k, "skew": skew or None, "passes": passes}
 
 
+def measured_experts(target: Target, batch: int, context: int, blocks: Sequence[int], seed: int = 0) -> dict:
+    """Per block in ``blocks``: the distinct experts per MoE layer (the mean over layers) that the
+    target's own routing (its random router, or ``MoESpec.routing``) picks for the last ``block``
+    tokens of ``batch`` random prompts of ``context + max(blocks)`` tokens (block 1: a decode
+    step's tokens; more: a verify block's, its tokens random ones instead of drafts). One forward
+    from an empty cache on one device (reference attention), the experts read back by a host
+    callback."""
+    from dflash_jax.model import target as target_model
+    from dflash_jax.model.cache import allocate_pages, init_cache
+    from dflash_jax.model.nn import moe
+
+    length, page = context + max(blocks), 16
+    tokens = np.asarray(random_prompts(np.random.default_rng(seed), batch, length, target.config.vocab_size), np.int32)
+    table, num_pages = allocate_pages([length] * batch, page)
+    counts = {block: [] for block in blocks}
+
+    def record(experts):
+        experts = np.asarray(experts).reshape(batch, length, -1)
+        for block in blocks:
+            counts[block].append(len(np.unique(experts[:, -block:])))
+
+    def recording_route(h, router, spec, router_bias=None):
+        experts, weights = plain_route(h, router, spec, router_bias)
+        jax.debug.callback(record, experts)
+        return experts, weights
+
+    @jax.jit
+    def run(params, tokens):
+        cache = init_cache(target.config, None, table, num_pages, page, jnp.bfloat16)
+        return target_model.forward(params, target.config, tokens, jnp.zeros(batch, jnp.int32), cache,
+                                    impl="reference")[0]
+
+    plain_route, moe.route = moe.route, recording_route
+    try:
+        jax.block_until_ready(run(target.params, jnp.asarray(tokens)))
+        jax.effects_barrier()
+    finally:
+        moe.route = plain_route
+    return {block: float(np.mean(counts[block])) for block in blocks}
+
+
 def print_expert_report(report: dict, routing: str) -> None:
-    """``expert_report``'s table, beside the routing the run used."""
+    """``expert_report``'s table, beside the routing the run used (and, where measured, the
+    experts the run's target picked: ``measured_experts``)."""
     skew = report["skew"]
+    measured = any("measured" in row for row in report["passes"].values())
     print(f"MoE routing {routing}: expected distinct experts of {report['num_experts']} (top {report['top_k']}) "
-          "per layer and pass, tokens routed independently")
-    print("  pass                        tokens  uniform" + (f"  skew {skew:g}" if skew else ""))
+          "per layer and pass, tokens routed independently" +
+          (f"; measured: the target's routing over random tokens at context {report['measured_context']}"
+           if measured else ""))
+    print("  pass                        tokens  uniform" + (f"  skew {skew:g}" if skew else "") +
+          ("  measured" if measured else ""))
     for name, row in report["passes"].items():
         print(f"  {name:<26} {row['tokens']:7d} {row['uniform']:8.1f}" +
-              (f" {row['skewed']:8.1f}" if skew else ""))
+              (f" {row['skewed']:8.1f}" if skew else "") +
+              (f" {row['measured']:9.1f}" if "measured" in row else ""))
 
 
 # ----------------------------------------------------------------------------- records and output

@@ -170,15 +170,42 @@ def test_expert_report_gives_uniform_and_skewed_expectations():
     assert "skewed" not in expert_report(128, 8, [1], 16)["passes"]["decode_bs1"]
 
 
-def test_bench_e2e_prints_the_routing_and_its_expected_experts(tmp_path, capsys):
+def test_bench_e2e_prints_the_routing_and_its_expected_and_measured_experts(tmp_path, capsys):
     status, out, err = run_bench_e2e(tmp_path, capsys, "--shape", "tiny-moe", "--routing", "independent:1",
                                      "--skip", "parts,e2e", "--batches", "1", "--contexts", "16")
     assert status == 0, err
     report = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())
     assert report["routing"] == report["settings"]["routing"] == "independent:1"
-    assert set(report["distinct_experts"]["passes"]["verify_bs1_block16"]) == {"tokens", "uniform", "skewed"}
+    experts = report["distinct_experts"]
+    assert experts["measured_context"] == 16
+    assert set(experts["passes"]["verify_bs1_block16"]) == {"tokens", "uniform", "skewed", "measured"}
+    assert experts["passes"]["decode_bs1"]["measured"] == 2  # one token: its top 2
+    assert 2 < experts["passes"]["verify_bs1_block16"]["measured"] <= 8
     assert "MoE routing independent:1: expected distinct experts of 8 (top 2)" in out
-    assert re.search(r"verify_bs1_block16 +16 +7\.9 +7\.\d", out)
+    assert re.search(r"verify_bs1_block16 +16 +7\.9 +7\.\d +\d\.\d", out)
+
+
+def test_measured_experts_follow_the_routing():
+    """The experts a target's routing picks per pass (tiny-moe with 64 experts, top 2): one token's
+    top k at block 1; over 2 x 16 tokens, independent routing reads about E(1-(1-k/E)^32) = 40.8
+    experts a layer, the random router, which routes the tokens alike, fewer."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from common import SHAPES, IndependentRouting, expected_experts, measured_experts, with_routing
+    from dflash_jax.loading.models import Target
+    from dflash_jax.model.params import init_target_params
+
+    tiny = SHAPES["tiny-moe"][0]
+    config = tiny.with_layers(tuple(dataclasses.replace(layer, ffn=dataclasses.replace(layer.ffn, num_experts=64))
+                                    for layer in tiny.layers))
+    params = init_target_params(config, jax.random.key(0), jnp.bfloat16)
+    model = measured_experts(Target(config, params), 2, 16, (1, 16))
+    drawn = measured_experts(Target(with_routing(config, IndependentRouting()), params), 2, 16, (1, 16))
+    assert 2 <= model[1] <= 4 and 2 <= drawn[1] <= 4
+    assert drawn[16] == pytest.approx(expected_experts(64, 2, 32), abs=3)
+    assert model[16] < drawn[16] - 5
 
 
 def test_bench_e2e_accepts_steps_per_check_that_divides_only_the_chunks_it_runs():
