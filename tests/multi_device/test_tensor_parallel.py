@@ -701,3 +701,33 @@ def test_the_engine_split_serves_what_one_device_does(copy_pair):
     np.testing.assert_allclose([lp.logprob for lp in split[-1].logprobs],
                                np.asarray(expected)[np.arange(len(tokens)), tokens], atol=1e-5)
     assert [[t for t, _ in lp.top] for lp in split[-1].logprobs] == np.argsort(-expected, -1)[:, :2].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks' independent MoE routing under tensor parallelism
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_independent_routing_is_the_same_on_every_shard(expert_parallel):
+    """A MoE layer with ``IndependentRouting`` split over 4 devices (by width, or experts dealt out
+    whole) gives the single-device layer's output: every shard draws each token's experts from
+    the same replicated row bits (a shard that drew others would run, or skip, other pairs)."""
+    import dataclasses
+
+    from dflash_jax.model.nn import moe
+    from dflash_jax.model.sharding import TP_AXIS, _ffn_layout, placed
+
+    spec = moe.MoESpec(num_experts=8, top_k=2, intermediate_size=16, norm_topk_prob=True,
+                       routing=moe.IndependentRouting(0.5))
+    params = moe.init_moe(spec, 32, jax.random.key(0), jnp.float32, scale=0.2)
+    x, norm = jax.random.normal(jax.random.key(1), (2, 5, 32)), jnp.ones(32)
+    expected = moe.forward(x, params, spec, norm, 1e-6, "reference")
+    split = TensorParallel(make_mesh(4), expert_parallel=expert_parallel)
+    local = dataclasses.replace(spec, intermediate_size=16 if expert_parallel else 4)
+    layout = _ffn_layout(params, spec, expert_parallel)
+    program = jax.shard_map(lambda p, x: moe.forward(x, p, local, norm, 1e-6, "reference", tensor_axis=TP_AXIS),
+                            mesh=split.mesh, in_specs=(specs(layout), P()), out_specs=P(), check_vma=False)
+    np.testing.assert_allclose(jax.jit(program)(placed(params, layout, split), x), expected, rtol=1e-5, atol=1e-5)
+    # the override is in force: the router's own top 2 gives another output
+    plain = moe.forward(x, params, dataclasses.replace(spec, routing=None), norm, 1e-6, "reference")
+    assert not np.allclose(plain, expected, atol=1e-3)
