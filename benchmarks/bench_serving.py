@@ -423,10 +423,12 @@ def main(argv=None) -> int:
                             "widths": list(engine.config.widths),
                             "by_rows": {rows: [round(1e3 * float(t), 3) for t in costs]
                                         for rows, costs in engine.device.step_costs.items()}}
+                    served = []
                     with BackgroundServer(engine, MODEL) as server:
                         for c in concurrencies:
                             for row in server_rows(server, clients, c, warm[c], timed[c], args, response_format,
                                                    {"mode": mode, "prefix_caching": on}):
+                                served.append(row)
                                 report["rows"].append(row)
                                 compare(report["rows"])
                                 print(table(report).splitlines()[-1], file=sys.stderr, flush=True)
@@ -435,9 +437,7 @@ def main(argv=None) -> int:
                     engine.close()       # its KV pool goes before the next engine makes one
                     if args.skip_offline:
                         continue
-                    for row in report["rows"]:
-                        if row["mode"] != mode or row["prefix_caching"] != on or row["concurrency"] not in concurrencies:
-                            continue
+                    for row in served:
                         prompts = timed[row["concurrency"]][row["structured"]]
                         settings = {"prefix_caching": on, "grammar": grammar if row["structured"] == "json" else None}
                         row["offline_tok_s"] = offline(target, use_draft, tokenizer, prompts, row["concurrency"],

@@ -132,10 +132,10 @@ class Engine:
         self.steps_per_check = steps_per_check or default_steps_per_check(chunk_steps)
         self.prefill_chunk = min(bucket(prefill_chunk, per_doubling=1), bucket(self.max_model_len, per_doubling=1))
         self.prefill_rows, self.max_waiting, self.top_k_cap = prefill_rows, max_waiting, top_k_cap
-        self.prefill_tokens = bucket(min(prefill_rows, max_num_seqs), per_doubling=1) * self.prefill_chunk  # a call's
-        # A call's rows: any number within prefill_tokens, but prefill_rows for batch-invariant engines
-        # (one shape) and hybrid targets (a row's recurrent state is gathered for the call, tens of
-        # MiB a row at real shapes).
+        # A prefill call's tokens, and its rows: any number within those, but prefill_rows for
+        # batch-invariant engines (one shape) and hybrid targets (a row's recurrent state is gathered
+        # for the call, tens of MiB a row at real shapes).
+        self.prefill_tokens = bucket(min(prefill_rows, max_num_seqs), per_doubling=1) * self.prefill_chunk
         self.prefill_row_cap = min(prefill_rows, max_num_seqs) if config.recurrent_layers or batch_invariant \
             else max_num_seqs
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
@@ -436,17 +436,16 @@ class Engine:
         if not rows:
             return None
         decoding = sum(r is not None and r.matcher is None for r in self.scheduler.decoding())
-        sizes, fitting, longest, chunk, starting = {}, [], 0, 0, 0
+        sizes, fitting, longest, starting = {}, [], 0, 0
         for count, request in enumerate(rows, 1):
-            longest = max(longest, len(request.prompt_ids) - request.prefilled)
-            sizes[count] = size = math.prod(shape := self.device.prefill_shape(count, longest))
+            rest = len(request.prompt_ids) - request.prefilled
+            longest = max(longest, rest)
+            sizes[count] = size = math.prod(self.device.prefill_shape(count, longest))
             if size > self.prefill_tokens:
                 break
-            if shape[1] != chunk:     # rows whose rest fits the call start decoding after it
-                chunk = shape[1]
-                starting = sum(r.matcher is None and len(r.prompt_ids) - r.prefilled <= chunk for r in rows[:count])
-            else:
-                starting += request.matcher is None and len(request.prompt_ids) - request.prefilled <= chunk
+            # it starts decoding after this call when its rest fits a piece: the call's piece is the
+            # longest rest's (all fit) or prefill_chunk
+            starting += request.matcher is None and rest <= self.prefill_chunk
             if size + self._decode_tokens(self.steps_per_check, decoding + starting) <= self.max_num_batched_tokens:
                 fitting.append(count)
         smallest = min(sizes.values())    # none fits: the most rows of the smallest call (one shape: all)
