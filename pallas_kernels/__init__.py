@@ -1,7 +1,7 @@
 """Pallas kernels for dflash-jax, grouped by backend, each beside the plain-jnp reference it must match.
 
 - ``pallas_kernels.<operation>`` (``attention``, ``norm_rope``, ``gated_delta``,
-  ``routed_experts``, ``fused_matmul``, ``split_merge``, ``paging``): what both backends share, the
+  ``routed_experts``, ``routing``, ``fused_matmul``, ``split_merge``, ``paging``): what both backends share, the
   plain-jnp references (``*_reference``), the argument checks and the helpers the model also uses
   (``rms_norm``, ``apply_rope``, ``split_qkv``, ``gather_pages`` / ``write_pages``, ``Mxfp4Weight``),
   exported here; ``sizes``: power-of-two helpers;
@@ -20,6 +20,7 @@ from pallas_kernels.norm_rope import (apply_rope, norm_rope_reference, norm_rope
 from pallas_kernels.split_merge import combine_splits_reference
 from pallas_kernels.fused_matmul import finish_projection, fused_matmul_reference
 from pallas_kernels.routed_experts import Mxfp4Weight, dequantize_mxfp4, routed_experts_reference
+from pallas_kernels.routing import route_reference
 from pallas_kernels.attention import paged_draft_attention_reference, paged_verify_attention_reference
 from pallas_kernels.gated_delta import chunked_gated_delta_rule_reference, gated_delta_rule_reference
 
@@ -37,6 +38,7 @@ __all__ = [
     "finish_projection",
     "fused_matmul_reference",
     "routed_experts_reference",
+    "route_reference",
     "Mxfp4Weight",
     "dequantize_mxfp4",
     "paged_verify_attention_reference",

@@ -19,6 +19,7 @@ tiles of one expert each, as the kernels of both backends read them (``pallas_ke
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -155,6 +156,17 @@ def expert_tiles(experts: jax.Array, num_experts: int, block_m: int) -> tuple[ja
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     tile_expert = jnp.sum(padded_end[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     return rows, jnp.where(tile_start < padded_end[-1], tile_expert, -1)
+
+
+def token_tiles(experts: jax.Array, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """``expert_tiles``' layout for one token's experts [1, k] (a decode step at batch 1, whose
+    pairs never share an expert): tile j holds pair j in its first row, expert experts[0, j]
+    (-1 tiles may lie between used ones); no op but a constant and a reshape."""
+    (n, top_k) = experts.shape
+    if n != 1:
+        raise ValueError(f"token_tiles lays out one token's experts, got {n} tokens")
+    rows = np.where(np.arange(block_m)[None, :] == 0, np.arange(top_k)[:, None], -1).reshape(-1)
+    return jnp.asarray(rows, jnp.int32), experts.reshape(-1).astype(jnp.int32)
 
 
 def _check_mxfp4(name: str, w: Mxfp4Weight) -> None:

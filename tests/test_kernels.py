@@ -567,10 +567,13 @@ def test_routed_experts_skip_the_pairs_of_expert_minus_one(case, interpret, chec
 # clamped SwiGLU, or marks about half the pairs -1. Hidden 96 and expert width 32 take one scale
 # group per step, the others two or four (or one, by block_k). One token's block_k 32: the rule's
 # 4 gate|up and 2 down shares (the down bias added once), or one share (gated in the kernel).
+# One token's MXFP4 products are summed elementwise (gemv) unless the tuning says otherwise.
 MXFP4_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random", "both", "plain", {}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32, "split_k": 1}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "skip", {"gemv": False}),
+               ("f32", 1, 3, 8, 96, 64, 16, "random", "gate_up", "gpt-oss", {"block_k": 32}),
                ("bf16", 3, 4, 8, 256, 96, 16, "random", "both", "skip", {"split_k": 3, "block_k": 32}),
                ("f32", 17, 2, 4, 64, 32, 16, "one-expert", "gate_up", "plain", {}),
                ("bf16", 33, 4, 8, 128, 64, 32, "skewed", "both", "skip", {"block_k": 32}),
@@ -708,6 +711,65 @@ def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypa
         pairs = rows[np.isin(np.arange(len(rows)) // 16, np.flatnonzero(tile_expert == expert))]
         assert pairs[pairs >= 0].tolist() == np.flatnonzero(flat == expert).tolist()
 
+
+
+def test_token_tiles_give_each_pair_of_one_token_its_own_tile():
+    """One token's k pairs: tile j holds pair j in its first row and nothing else, its expert the
+    pair's (-1 tiles between used ones); more than one token is refused."""
+    from pallas_kernels.routed_experts import token_tiles
+    rows, tile_expert = (np.asarray(a) for a in token_tiles(jnp.asarray([[5, -1, 0, 7]], jnp.int32), 16))
+    assert tile_expert.tolist() == [5, -1, 0, 7] and rows.shape == (64,)
+    assert rows[::16].tolist() == [0, 1, 2, 3] and (np.delete(rows, np.arange(0, 64, 16)) == -1).all()
+    with pytest.raises(ValueError, match="one token"):
+        token_tiles(jnp.zeros((2, 4), jnp.int32), 16)
+
+
+# MoE routing (norm, router, softmax, top k): (dtype, tokens, hidden, experts, top_k, router bias,
+# renormalised, skew: None for the router's top k, else hashed independent draws)
+ROUTE_CASES = [("f32", 1, 64, 16, 4, False, True, None), ("bf16", 1, 128, 128, 8, False, True, None),
+               ("f32", 37, 96, 12, 3, True, False, None), ("bf16", 20, 64, 32, 4, True, True, None),
+               ("f32", 16, 64, 256, 8, False, True, None), ("bf16", 5, 64, 32, 8, False, True, 0.0),
+               ("f32", 19, 96, 20, 4, True, False, 1.0), ("f16", 3, 32, 8, 2, False, True, None)]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_route(case, interpret, check):
+    """The kernel's h equals the reference's; its weights are the reference's softmax at its own
+    experts; in f32 the experts are the reference's, in 16-bit floats (where an ulp of a logit can
+    reorder near-ties) they carry the reference's top-k mass within the tolerance; drawn
+    independently, they are the draw from the kernel's own h, exactly."""
+    dtype, tokens, hidden, num_experts, top_k, has_bias, norm, skew = case
+    dtype = DTYPES[dtype]
+    rng = _rng("route", case)
+    x = jnp.asarray(3 * rng.standard_normal((tokens, hidden)), dtype)
+    norm_weight = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype)
+    router = jnp.asarray(rng.standard_normal((hidden, num_experts)) / np.sqrt(hidden), dtype)
+    bias = jnp.asarray(0.3 * rng.standard_normal(num_experts), dtype) if has_bias else None
+    kw = dict(top_k=top_k, norm_topk_prob=norm, eps=1e-6, skew=skew)
+    h, experts, weights = pk_gpu.route(x, norm_weight, router, bias, interpret=interpret, **kw)
+    ref_h, ref_experts, ref_weights = pk.route_reference(x, norm_weight, router, bias, **kw)
+    assert experts.shape == weights.shape == (tokens, top_k) and experts.dtype == jnp.int32
+    assert h.dtype == weights.dtype == dtype
+    check(h, ref_h, dtype)
+    logits = np.asarray(ref_h, np.float64) @ np.asarray(router, np.float64)
+    if has_bias:
+        logits = logits + np.asarray(bias, np.float64)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    experts = np.asarray(experts)
+    assert all(len(set(row)) == top_k for row in experts.tolist()) and ((experts >= 0) & (experts < num_experts)).all()
+    chosen = np.take_along_axis(probs, experts, axis=1)
+    expected = chosen / chosen.sum(axis=1, keepdims=True) if norm else chosen
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(weights, np.float64), expected, rtol=tol, atol=tol)
+    if skew is not None:
+        from pallas_kernels.routing import independent_experts
+        np.testing.assert_array_equal(experts, np.asarray(independent_experts(h, num_experts, top_k, skew)))
+    elif dtype == jnp.float32:
+        np.testing.assert_array_equal(experts, np.asarray(ref_experts))
+    else:
+        best = np.take_along_axis(probs, np.asarray(ref_experts), axis=1).sum(axis=1)
+        assert (chosen.sum(axis=1) >= best - tol).all()
 
 # --------------------------------------------------------------------------------------------
 # fused_matmul: [RMSNorm] -> x @ w -> [SwiGLU] -> [+ residual] for decode/verify-sized row counts.
@@ -881,12 +943,25 @@ LOWERINGS = {
                                     (S((1, 2880), BF), S((1, 4), jnp.int32), S((1, 4), BF),
                                      _mxfp4_shapes(32, 2880, 5760), _mxfp4_shapes(32, 2880, 2880),
                                      S((32, 5760), BF), S((32, 2880), BF)), {}),
+    "routed_experts_mxfp4_decode_tensor_cores": (functools.partial(pk_gpu.routed_experts, swiglu_limit=7.0,
+                                                                   gemv=False),
+                                                 (S((1, 2880), BF), S((1, 4), jnp.int32), S((1, 4), BF),
+                                                  _mxfp4_shapes(32, 2880, 5760), _mxfp4_shapes(32, 2880, 2880),
+                                                  S((32, 5760), BF), S((32, 2880), BF)), {}),
     "routed_experts_mxfp4_verify": (pk_gpu.routed_experts, (S((16, 2880), BF), S((16, 4), jnp.int32), S((16, 4), BF),
                                                             _mxfp4_shapes(32, 2880, 5760), S((32, 2880, 2880), BF)),
                                     {"block_m": 32}),
     "routed_experts_mxfp4_f32": (pk_gpu.routed_experts, (S((16, 256), jnp.float32), S((16, 4), jnp.int32),
                                                          S((16, 4), jnp.float32), _mxfp4_shapes(8, 256, 128),
                                                          _mxfp4_shapes(8, 64, 256)), {"block_k": 32}),
+    "route_decode": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6),
+                     (S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)), {}),
+    "route_verify_256_experts_drawn": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6,
+                                                         skew=1.0),
+                                       (S((16, 2048), BF), S((2048,), BF), S((2048, 256), BF)), {}),
+    "route_gpt_oss_f32": (functools.partial(pk_gpu.route, top_k=4, norm_topk_prob=True, eps=1e-5),
+                          (S((8, 2880), jnp.float32), S((2880,), jnp.float32), S((2880, 32), jnp.float32),
+                           S((32,), jnp.float32)), {}),
     "combine_splits": (pk_gpu.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
@@ -1252,7 +1327,9 @@ def test_routed_experts_rejects_bad_mxfp4_weights():
             (mx(8, 64, 64), S((8, 32, 64), jnp.float32), {}, "share a float32/bfloat16/float16 dtype .* bfloat16, "
              "mxfp4, float32"),
             (mx(8, 64, 64), mx(8, 32, 64), {"block_k": 16}, "routed_experts_gate_up: block_k must be a power of "
-             "two >= 32 that divides 64 .whole MXFP4 scale groups., got 16")]:
+             "two >= 32 that divides 64 .whole MXFP4 scale groups., got 16"),
+            (mx(8, 64, 64), mx(8, 32, 64), {"gemv": True}, "routed_experts_gate_up: gemv runs MXFP4 weights at one "
+             "token, got MXFP4 weights at 4 tokens")]:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), x, experts, weights, gate_up, down)
     # two stages of bf16 gate|up tiles (2 x 256 x 128 x 2 B) overflow Hopper's budget; MXFP4's fit
@@ -1261,6 +1338,9 @@ def test_routed_experts_rejects_bad_mxfp4_weights():
     with pytest.raises(ValueError, match="routed_experts_gate_up: num_stages=2 stages of 139264 B"):
         jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, S((8, 256, 512), BF), S((8, 256, 256), BF))
     jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, mx(8, 256, 512), mx(8, 256, 256))
+    with pytest.raises(ValueError, match="routed_experts_gate_up: gemv runs MXFP4 weights at one token, got dense"):
+        jax.eval_shape(functools.partial(pk_gpu.routed_experts, gemv=True), S((1, 64), BF), S((1, 2), jnp.int32),
+                       S((1, 2), BF), S((8, 64, 64), BF), mx(8, 32, 64))
 
 def test_write_pages_drops_page_ids_outside_the_pool():
     """Like the kernels: a page id outside [0, num_pages), negative included, writes nothing."""

@@ -4,7 +4,8 @@ format, the tile layout and the argument checks live).
 
 The kernels read only the routed experts' weights, as vLLM's fused-MoE kernel does: the pairs
 are grouped by expert and each expert's rows padded to whole tiles of ``block_m`` rows, so a
-tile belongs to one expert (``expert_tiles``, a few fused XLA ops: no sort). One kernel computes
+tile belongs to one expert (``expert_tiles``, a few fused XLA ops: no sort; for one token,
+``token_tiles``: none). One kernel computes
 silu(x W_gate) * (x W_up) for every tile (gathering the tile's token rows of x), written in pair
 order, the other the down projection times the routing weight (gathering the tile's pairs' rows
 of that), in pair order too; XLA sums each token's k rows. A tile with no rows streams nothing.
@@ -27,10 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu.tuning import check_launch, gpu_limits
 from pallas_kernels.routed_experts import (Mxfp4Weight, check_routed_experts_args, e2m1, e8m0,
-                                           expert_tiles, swiglu)
+                                           expert_tiles, swiglu, token_tiles)
 from pallas_kernels.sizes import is_power_of_2, next_power_of_2
 
-TUNING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+TUNING_ARGS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "gemv")
 PROGRAMS_PER_SM = 8  # programs reduction_splits aims for on each SM
 
 
@@ -92,6 +93,27 @@ def _products(load_x, w_ref, e, k0, n0s, block_n: int, block_k: int, dot, inline
     return products
 
 
+def _gemv_ops(tile, rows_ref, source_ref, row_of_pair, block_m: int):
+    """For a tile of one row (one token's pairs, ``token_tiles``): (load(columns): the source row
+    [len(columns), 1] f32 of the tile's first pair, dot(x, w): x * w [len, block_n] f32, the rows
+    of the elementwise sums, 16). ``_products`` then adds up the products of each column and
+    scale group elementwise, no tensor cores, and the kernel sums the 16 rows once at the end:
+    at one token the codes are decoded once and multiplied once, without a 16-row dot (15 rows
+    of zeros) or the move into its operand layout."""
+    row = row_of_pair(jnp.maximum(rows_ref[tile * block_m], 0))
+
+    def load(columns):
+        return plgpu.load(source_ref.at[row, columns]).astype(jnp.float32)[:, None]
+
+    return load, lambda x, w: x * w.astype(jnp.float32), 16
+
+
+def _finish_gemv(acc, block_m: int):
+    """The elementwise sums [16, block_n] of ``_gemv_ops`` as the tile's rows [block_m, block_n]
+    (the first row's; the others are masked off)."""
+    return jnp.broadcast_to(jnp.sum(acc, axis=0, keepdims=True), (block_m, acc.shape[1]))
+
+
 def _split_steps(total: int, splits: int, live):
     """(first step, steps) of this program's share (program axis 2) of ``total`` reduction steps
     split as evenly as they go (``splits`` <= ``total``: no share empty); no steps where ``live``
@@ -103,7 +125,8 @@ def _split_steps(total: int, splits: int, live):
 
 
 def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, block_m: int, block_n: int,
-                    block_k: int, splits: int, inline_asm: bool, swiglu_limit: float | None, swiglu_alpha: float):
+                    block_k: int, splits: int, inline_asm: bool, gemv: bool, swiglu_limit: float | None,
+                    swiglu_alpha: float):
     """Program (tile, column block, split): x W_gate and x W_up of the tile's rows over the split's
     share of the hidden size. One split: swiglu(x W_gate [+ b_gate], x W_up [+ b_up]) stored at
     each row's pair (h [N * k, I]); several: the f32 sums at row split * N * k + pair of
@@ -125,14 +148,20 @@ def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, 
         return plgpu.load(x_ref.at[token[:, None], columns[None, :]], other=0,
                           mask=jnp.broadcast_to(valid[:, None], (block_m, columns.shape[0])))
 
+    acc_rows = block_m
+    if gemv:
+        load_x, dot, acc_rows = _gemv_ops(tile, rows_ref, x_ref, lambda pair: pair // top_k, block_m)
+
     def body(step, accs):
         k0 = pl.multiple_of((first + step) * block_k, block_k)
         gate, up = _products(load_x, w_ref, e, k0, (n0, width + n0), block_n, block_k, dot, inline_asm)
         return accs[0] + gate, accs[1] + up
 
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    zeros = jnp.zeros((acc_rows, block_n), jnp.float32)
     first, steps = _split_steps(hidden // block_k, splits, expert >= 0)
     gate, up = lax.fori_loop(0, steps, body, (zeros, zeros))
+    if gemv:
+        gate, up = _finish_gemv(gate, block_m), _finish_gemv(up, block_m)
     # padding rows point past the end too, so that interpret mode's scatter drops them as well
     row = jnp.where(valid, pl.program_id(2) * pairs + pair, out_ref.shape[0])[:, None]
     cols = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
@@ -149,7 +178,7 @@ def _gate_up_kernel(rows_ref, tile_expert_ref, x_ref, w_ref, *refs, top_k: int, 
 
 
 def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, block_m: int, block_n: int,
-                 block_k: int, splits: int, inline_asm: bool):
+                 block_k: int, splits: int, inline_asm: bool, gemv: bool):
     """Program (tile, column block, split): routing weight x (h W_down [+ b_down, split 0 only]) of
     the tile's rows over the split's share of the width, f32, stored at row split * N * k + pair
     of out [splits * N * k, H] (h [N * k, I] by pair); w_ref dense or an Mxfp4Weight of refs;
@@ -169,12 +198,18 @@ def _down_kernel(rows_ref, tile_expert_ref, weights_ref, h_ref, w_ref, *refs, bl
         return plgpu.load(h_ref.at[h_row, columns[None, :]], other=0,
                           mask=jnp.broadcast_to(valid[:, None], (block_m, columns.shape[0])))
 
+    acc_rows = block_m
+    if gemv:
+        load_h, dot, acc_rows = _gemv_ops(tile, rows_ref, h_ref, lambda pair: pair, block_m)
+
     def body(step, acc):
         k0 = pl.multiple_of((first + step) * block_k, block_k)
         return acc + _products(load_h, w_ref, e, k0, (n0,), block_n, block_k, dot, inline_asm)[0]
 
     first, steps = _split_steps(width // block_k, splits, expert >= 0)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((acc_rows, block_n), jnp.float32))
+    if gemv:
+        acc = _finish_gemv(acc, block_m)
     if bias_ref:
         bias = plgpu.load(bias_ref[0].at[e, pl.ds(n0, block_n)]).astype(jnp.float32)[None, :]
         acc = acc + jnp.where(split == 0, bias, 0.0)
@@ -217,7 +252,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
                    down_bias: jax.Array | None = None, *,
                    swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, interpret: bool = False,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
+                   split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                   gemv: bool | None = None) -> jax.Array:
     """Pallas version of ``routed_experts_reference`` (same arguments; the result within the
     rounding of its products, which the kernel keeps in f32 and rounds once): reads only the
     routed experts' weights. ``block_m`` rows per tile (default ``tile_rows``), ``block_n``
@@ -225,7 +261,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     of 128, 64, 32, 16 that divide them; a multiple of 32 for an MXFP4 weight, whose steps
     reduce whole scale groups), ``split_k`` shares of each reduction, summed after the kernels
     (default ``reduction_splits``), ``num_stages`` software-pipelined steps (default: up to 3,
-    as many as shared memory holds)."""
+    as many as shared memory holds), ``gemv``: one token's MXFP4 products summed elementwise
+    without tensor cores (``_gemv_ops``; default: for an MXFP4 weight at one token)."""
     check_routed_experts_args(x, experts, weights, gate_up, down)
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (gate_up.shape[0], gate_up.shape[2])),
                               ("down_bias", down_bias, (down.shape[0], down.shape[2]))):
@@ -240,7 +277,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     check_launch(num_warps, num_stages or 1)
     (n, top_k), (num_experts, hidden, _), width = experts.shape, gate_up.shape, down.shape[1]
     pairs = n * top_k
-    rows, tile_expert = expert_tiles(experts.astype(jnp.int32), num_experts, block_m)
+    rows, tile_expert = (token_tiles(experts, block_m) if n == 1
+                         else expert_tiles(experts.astype(jnp.int32), num_experts, block_m))
     num_tiles = tile_expert.shape[0]
 
     def call(kernel, operands, out_cols, reduce, name, weight, weight_tiles, out_dtype):
@@ -266,8 +304,12 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
                                                         gpu_limits().num_sms, mxfp4))
         out_shape = (pairs * splits, out_cols(splits))
         whole = lambda a: pl.BlockSpec(a.shape, lambda t, c, s: (0,) * a.ndim)  # noqa: E731
+        elementwise = mxfp4 and n == 1 if gemv is None else gemv
+        if elementwise and not (mxfp4 and n == 1):
+            raise ValueError(f"{name}: gemv runs MXFP4 weights at one token, got "
+                             f"{'MXFP4' if mxfp4 else 'dense'} weights at {n} tokens")
         out = pl.pallas_call(
-            functools.partial(kernel, block_m=block_m, block_n=bn, block_k=bk, splits=splits,
+            functools.partial(kernel, block_m=block_m, block_n=bn, block_k=bk, splits=splits, gemv=elementwise,
                               inline_asm=mxfp4 and not interpret and x.dtype == jnp.bfloat16),
             grid=(num_tiles, column_blocks, splits),
             in_specs=[jax.tree.map(whole, a) for a in operands],  # an Mxfp4Weight: one spec per array

@@ -1,0 +1,154 @@
+"""A MoE layer's routing in one GPU kernel: RMSNorm, router logits, softmax, top k and their weights,
+the Pallas version (Triton lowering) of ``route_reference`` (``pallas_kernels.routing``).
+
+Through XLA a decode step's routing is a chain of small kernels a layer (the norm, the router's
+product, the softmax, the top k, the renormalisation), each a launch of a few µs around a
+product that reads 0.5 MB. Here one program holds ``block_m`` rows: it sums their squares, then
+walks the hidden size normalising each x tile (written out as h, which the experts read),
+multiplying it by the router's tile on the tensor cores and, for hashed independent routing,
+folding h's bits into the rows' hashes; then softmax over the experts in f32 and the top k by k
+rounds of max and lowest index (``lax.top_k``'s order, ties to the lower expert).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu.tuning import check_launch, gpu_limits
+from pallas_kernels.routing import check_route_args, element_bits, gumbel_scores, hash_terms, log_popularity, mix32
+from pallas_kernels.sizes import is_power_of_2, next_power_of_2
+
+ROWS_PER_PROGRAM = 16  # the smallest tensor-core tile
+TILE_BYTES = 32 * 1024  # the router tile a step streams, at most
+
+
+def _route_kernel(x_ref, norm_ref, router_ref, *refs, block_k: int, num_experts: int, top_k: int, eps: float,
+                  norm_topk_prob: bool, has_bias: bool, independent: bool):
+    """Program i: rows i * 16 .. i * 16 + 15 of x [N, H]; router [H, E'], then refs: (bias [E'],)
+    (log popularity [E'] f32,) and the outputs h [N, H], experts [N, k], weights [N, k]. E' is
+    the ``num_experts`` E padded with zeros to a power of two >= 16; padded experts score -inf."""
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    popularity_ref = refs.pop(0) if independent else None
+    h_ref, experts_ref, weights_ref = refs
+    (n, hidden), dtype = x_ref.shape, x_ref.dtype
+    block_m, padded = ROWS_PER_PROGRAM, router_ref.shape[1]
+    m0 = pl.program_id(0) * block_m
+    rows = m0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (1, padded), 1)
+    x_mask = jnp.broadcast_to(rows < n, (block_m, block_k))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+    def load_x(k0):
+        return plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], mask=x_mask, other=0)
+
+    def sum_squares(step, total):
+        x = load_x(pl.multiple_of(step * block_k, block_k)).astype(jnp.float32)
+        return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+    total = lax.fori_loop(0, hidden // block_k, sum_squares, jnp.zeros((block_m, 1), jnp.float32))
+    inv_rms = lax.rsqrt(total / hidden + eps)
+
+    def body(step, carry):
+        logits, hashes = carry
+        k0 = pl.multiple_of(step * block_k, block_k)
+        weight = plgpu.load(norm_ref.at[pl.ds(k0, block_k)]).astype(dtype)
+        h = weight[None, :] * (load_x(k0).astype(jnp.float32) * inv_rms).astype(dtype)
+        plgpu.store(h_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], h, mask=x_mask)
+        router = plgpu.load(router_ref.at[pl.ds(k0, block_k), :])
+        logits = logits + lax.dot(h, router, precision=precision, preferred_element_type=jnp.float32)
+        if independent:
+            position = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)).astype(jnp.uint32)
+            hashes = hashes + jnp.sum(hash_terms(element_bits(h), position), axis=1, keepdims=True, dtype=jnp.uint32)
+        return logits, hashes
+
+    logits, hashes = lax.fori_loop(0, hidden // block_k, body, (jnp.zeros((block_m, padded), jnp.float32),
+                                                                jnp.zeros((block_m, 1), jnp.uint32)))
+    logits = logits.astype(dtype)  # the product in x's dtype, as the reference's h @ router
+    if has_bias:
+        logits = logits + plgpu.load(bias_ref.at[:]).astype(dtype)[None, :]
+    valid = cols < num_experts
+    logits = jnp.where(valid, logits.astype(jnp.float32), -jnp.inf)
+    exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    probs = exp / jnp.sum(exp, axis=1, keepdims=True)
+    if independent:
+        popularity = plgpu.load(popularity_ref.at[:])[None, :]
+        scores = jnp.where(valid, gumbel_scores(mix32(hashes), cols.astype(jnp.uint32), popularity), -jnp.inf)
+    else:
+        scores = probs
+    k_padded = next_power_of_2(top_k)
+    slot = lax.broadcasted_iota(jnp.int32, (1, k_padded), 1)
+    experts = jnp.zeros((block_m, k_padded), jnp.int32)
+    weights = jnp.zeros((block_m, k_padded), jnp.float32)
+    for j in range(top_k):
+        best = jnp.max(scores, axis=1, keepdims=True)
+        expert = jnp.min(jnp.where(scores == best, cols, padded), axis=1, keepdims=True)
+        chosen = cols == expert
+        experts = jnp.where(slot == j, expert, experts)
+        weights = jnp.where(slot == j, jnp.sum(jnp.where(chosen, probs, 0.0), axis=1, keepdims=True), weights)
+        scores = jnp.where(chosen, -jnp.inf, scores)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+    out_mask = (rows < n) & (slot < top_k)
+    plgpu.store(experts_ref.at[rows, slot], experts, mask=out_mask)
+    plgpu.store(weights_ref.at[rows, slot], weights.astype(weights_ref.dtype), mask=out_mask)
+
+
+def route_blocks(hidden: int, padded_experts: int, itemsize: int) -> int:
+    """The hidden size one step reduces: the largest power of two <= 128 that divides it and keeps
+    the router's tile within ``TILE_BYTES``, at least 16."""
+    return next((b for b in (128, 64, 32) if hidden % b == 0 and b * padded_experts * itemsize <= TILE_BYTES), 16)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "eps", "skew", "interpret", "block_k",
+                                             "num_warps", "num_stages"))
+def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: jax.Array | None = None, *,
+          top_k: int, norm_topk_prob: bool, eps: float, skew: float | None = None, interpret: bool = False,
+          block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None):
+    """Pallas version of ``route_reference`` (same arguments and results; the logits within the
+    rounding of the product's f32 sums, so near-tied experts may come out in another order).
+    ``block_k`` (default ``route_blocks``): hidden dims a step reduces; ``num_stages``: default
+    2, fewer where shared memory is short."""
+    check_route_args(x, norm_weight, router, router_bias, top_k)
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) or router.dtype != x.dtype:
+        raise ValueError(f"x and router must share a float32/bfloat16/float16 dtype, got {x.dtype} and {router.dtype}")
+    (n, hidden), num_experts = x.shape, router.shape[1]
+    if hidden % 16:
+        raise ValueError(f"the hidden size must be a multiple of 16, got {hidden}")
+    padded = max(16, next_power_of_2(num_experts))
+    block_k = block_k or route_blocks(hidden, padded, x.dtype.itemsize)
+    if not (is_power_of_2(block_k) and block_k >= 16 and hidden % block_k == 0):
+        raise ValueError(f"block_k must be a power of two >= 16 that divides the hidden size {hidden}, got {block_k}")
+    stage_bytes = (ROWS_PER_PROGRAM + padded) * block_k * x.dtype.itemsize
+    stages = num_stages or max(1, min(2, gpu_limits().smem_budget // stage_bytes))
+    if stages * stage_bytes > gpu_limits().smem_budget:
+        raise ValueError(f"num_stages={stages} stages of {stage_bytes} B exceed the {gpu_limits().smem_budget} B of "
+                         "shared memory a program may use: take a smaller block_k or fewer stages")
+    check_launch(num_warps, stages)
+    pad = lambda a: a if padded == num_experts else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - num_experts)])  # noqa: E731
+    operands = [x, norm_weight, pad(router)]
+    if router_bias is not None:
+        operands.append(pad(router_bias))
+    if skew is not None:
+        operands.append(pad(log_popularity(num_experts, skew)))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
+    out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n, top_k), jnp.int32),
+                  jax.ShapeDtypeStruct((n, top_k), x.dtype))
+    return pl.pallas_call(
+        functools.partial(_route_kernel, block_k=block_k, num_experts=num_experts, top_k=top_k, eps=eps,
+                          norm_topk_prob=norm_topk_prob, has_bias=router_bias is not None,
+                          independent=skew is not None),
+        grid=(pl.cdiv(n, ROWS_PER_PROGRAM),),
+        in_specs=[whole(a) for a in operands],
+        out_specs=[whole(s) for s in out_shapes],
+        out_shape=out_shapes,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=stages),
+        interpret=interpret,
+        name="moe_route",
+    )(*operands)
