@@ -89,6 +89,35 @@ def test_gqa_group_that_is_not_a_power_of_two():
                                                          **kwargs).stats.accept_lengths
 
 
+def test_auto_projects_single_narrow_rows_with_the_kernel_and_the_rest_with_xla(monkeypatch):
+    """On a GPU "auto" runs the projection kernel for one row against a weight with a side of at
+    most 3072 (hidden 2048-2880: Qwen3-30B-A3B's qkv and o_proj, gpt-oss's), and XLA for more
+    rows or wider weights (Qwen3-8B's); the result is the projection's either way."""
+    import pallas_kernels as pk
+    from dflash_jax.model import ops
+    from pallas_kernels import gpu as pk_gpu
+    from pallas_kernels.gpu import tuning
+    monkeypatch.setattr(tuning, "kernel_device_problem", lambda device=None: None)
+    calls = []
+
+    def kernel(x, w, interpret=False, **kw):
+        calls.append((x.shape, w.shape))
+        return pk.fused_matmul_reference(x, w, **kw)
+
+    monkeypatch.setattr(pk_gpu, "fused_matmul", kernel)
+    cases = {((1, 1, 2048), (2048, 5120)): True, ((1, 1, 4096), (4096, 2048)): True,
+             ((1, 1, 2880), (2880, 5120)): True, ((1, 16, 2048), (2048, 5120)): False,
+             ((2, 1, 2048), (2048, 5120)): False, ((1, 1, 4096), (4096, 6144)): False}
+    for (x_shape, w_shape), kernel_runs in cases.items():
+        x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32)
+        w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32) / 64
+        norm = jnp.ones(x_shape[-1], jnp.float32)
+        calls.clear()
+        out = ops.project(x, w, norm_weight=norm, impl="auto")
+        assert bool(calls) == kernel_runs, (x_shape, w_shape)
+        np.testing.assert_allclose(out, pk.fused_matmul_reference(x, w, norm_weight=norm), rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_point(monkeypatch):
     """auto: the GPU kernels AUTO_KERNELS lists where the device can run them, the TPU kernels on
     a TPU; pallas on those only, with the reason elsewhere; interpret and interpret-tpu run

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.model.config import ConfigError
-from dflash_jax.model.nn.moe import IndependentRouting, MoESpec, route
+from dflash_jax.model.nn import moe
+from dflash_jax.model.nn.moe import IndependentRouting, MoESpec
+from pallas_kernels import rms_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import expected_experts, inclusion_probabilities, with_routing  # noqa: E402
@@ -39,6 +41,11 @@ def _router(dtype=jnp.bfloat16) -> jax.Array:
 BIAS = jnp.zeros(E, jnp.bfloat16).at[:K].set(10.0)
 
 
+def route(rows, router, spec, bias=None):
+    """(experts, weights) of the MoE layer's routing of ``rows`` (an RMSNorm of unit weight first)."""
+    return moe.route(rows, jnp.ones(rows.shape[1], rows.dtype), 1e-6, router, spec, bias)[1:]
+
+
 def test_independent_routing_draws_distinct_experts_as_often_as_uniform_draws():
     """Groups of 8 random rows route to as many distinct experts as 8 independent uniform draws of
     top 4 of 16 (E(1-(1-k/E)^8) = 14.40) on average, though the router sends them all alike; each
@@ -57,7 +64,7 @@ def test_independent_routing_draws_distinct_experts_as_often_as_uniform_draws():
     h = _rows(64, seed=3, dtype=jnp.float32)
     router = jax.random.normal(jax.random.key(4), (H, E))
     experts, weights = route(h, router, _spec(norm=False))
-    probs = jax.nn.softmax(h @ router, axis=-1)
+    probs = jax.nn.softmax(rms_norm(h, jnp.ones(H), 1e-6) @ router, axis=-1)
     np.testing.assert_allclose(weights, np.take_along_axis(np.asarray(probs), np.asarray(experts), -1), rtol=1e-6)
 
 

@@ -43,18 +43,25 @@ KERNEL_CHOICES = ("reference", "gpu", "gpu-interpret", "tpu", "tpu-interpret")
 # the trigonometry in the kernel they had lost). The draft block's qkv_norm_rope is level with XLA
 # (H200, 2026-11-22, bs-1 DFlash step 5.76-5.81 vs 5.77-5.79 ms), and the projection kernel with
 # its norm/gate/residual fused loses (H100, 2026-11-22: bs-8 decode 7.02 vs 6.48 ms, bs-1 DFlash
-# step 8.97 vs 8.29), so auto keeps XLA for both. The routed-experts kernel reads only the routed
+# step 8.97 vs 8.29), so auto keeps XLA for the draft block's norm+RoPE and for most projections:
+# it runs the projection kernel only where XLA falls back to a reduce fusion, single-row products
+# with a side of at most ``PROJECTION_KERNEL_MAX_WIDTH`` (``projection_kernel_wins``; at hidden 2048
+# XLA's streamed 1.2 TB/s, H200, 2026-11-27: Qwen3-30B-A3B bs-1 decode 3.83 ms with every
+# projection in the kernel against 5.13 without, while a 16-row DFlash step lost, 5.41 against
+# 5.24, and at hidden 4096 the kernel lost single rows too). The routed-experts kernel reads only the routed
 # experts where XLA's ragged_dot reads them all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token
 # 45 vs 307 µs, 16 tokens 208 vs 414, 512 tokens 391 vs 7124). "pallas" forces every kernel.
 # benchmarks/ab_kernels.py re-measures one op on vs off.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
-                "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": False,
-                "routed_experts": True, "gated_delta_rule": True}
+                "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": True,
+                "routed_experts": True, "route_experts": False, "gated_delta_rule": True}
+PROJECTION_KERNEL_MAX_ROWS = 1
+PROJECTION_KERNEL_MAX_WIDTH = 3072
 
 # The operations with a Mosaic TPU kernel (pallas_kernels.tpu); "auto" and "pallas" run them on a TPU.
 TPU_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
                "qkv_norm_rope_write": True, "qkv_norm_rope": True, "fused_matmul": False,
-               "routed_experts": True, "gated_delta_rule": True}
+               "routed_experts": True, "route_experts": False, "gated_delta_rule": True}
 
 
 def on_tpu() -> bool:
@@ -86,6 +93,14 @@ def resolve_impl(impl: AttentionImpl, op: str) -> str:
         raise ValueError(f"attention impl 'pallas' cannot run here: {problem} or a TPU; use 'reference' "
                          "(or 'interpret' / 'interpret-tpu', the GPU / TPU kernels interpreted, slow)")
     return "gpu"
+
+
+def projection_kernel_wins(x, w) -> bool:
+    """Whether "auto" runs the projection kernel for x [..., K] @ w [K, N]: a product of at most
+    ``PROJECTION_KERNEL_MAX_ROWS`` rows with K or N at most ``PROJECTION_KERNEL_MAX_WIDTH`` (on
+    a shard, its own slice), which XLA runs as a reduce fusion far from copy bandwidth."""
+    rows = x.size // x.shape[-1]
+    return rows <= PROJECTION_KERNEL_MAX_ROWS and min(w.shape) <= PROJECTION_KERNEL_MAX_WIDTH
 
 
 def _kernel_kwargs(impl: str) -> dict:
@@ -167,7 +182,8 @@ def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residua
     ``sum_over``: a mesh axis over which w is split by rows (tensor parallelism): each shard's
     partial product (rounded to x's dtype, as a product is on one device) is summed in f32 over
     it, then the bias and residual are added once."""
-    impl = resolve_impl(impl, "fused_matmul")
+    chosen = resolve_impl(impl, "fused_matmul")
+    impl = "reference" if impl == "auto" and not projection_kernel_wins(x, w) else chosen
     if sum_over is not None:
         if gated or norm_weight is not None:
             raise ValueError("a row-parallel projection reads a slice of each row: it cannot norm its input or gate "
@@ -188,6 +204,16 @@ def project(x, w, *, bias=None, norm_weight=None, eps=1e-6, gated=False, residua
                                    **_kernel_kwargs(impl))
     y = pk_gpu.fused_matmul(x, w, norm_weight=norm_weight, eps=eps, **_kernel_kwargs(impl))
     return pk.finish_projection(y + bias.astype(y.dtype), residual, gated, x.dtype)
+
+
+def route_experts(x, norm_weight, router, router_bias=None, *, top_k, norm_topk_prob, eps, skew=None, impl):
+    """A MoE layer's RMSNorm and routing of rows x [N, H]: (h [N, H], experts [N, k] int32,
+    weights [N, k]); ``skew``: experts drawn per row instead (benchmarks, ``pk.routing``)."""
+    impl = resolve_impl(impl, "route_experts")
+    kw = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, eps=eps, skew=skew)
+    if impl == "reference":
+        return pk.route_reference(x, norm_weight, router, router_bias, **kw)
+    return pk_gpu.route(x, norm_weight, router, router_bias, **kw, **_kernel_kwargs(impl))
 
 
 def routed_experts(x, experts, weights, gate_up, down, gate_up_bias=None, down_bias=None, *, swiglu_limit=None,

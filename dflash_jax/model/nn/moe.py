@@ -20,7 +20,7 @@ from dflash_jax.model.nn import mlp
 from dflash_jax.model.nn.initializers import normal
 from dflash_jax.model.nn.mlp import MLPParams, MLPSpec, init_mlp
 from dflash_jax.model.collectives import sum_partials
-from pallas_kernels import Mxfp4Weight, rms_norm
+from pallas_kernels import Mxfp4Weight
 
 # The E8M0 scale that gives random MXFP4 weights about a normal(0, 0.02)'s spread: E2M1 codes drawn
 # uniformly have an RMS of about 2.9, and 2.9 * 2^(120 - 127) ~ 0.023.
@@ -32,8 +32,8 @@ class IndependentRouting:
     """Benchmarks only (``MoESpec.routing``): each token's top_k experts drawn independently of
     every other token's instead of the router's choice, without replacement, expert e drawn with
     weight proportional to 1 / (e + 1)^``skew`` (0: uniform). The draw is Gumbel-top-k with noise
-    hashed from the bits of the token's router input: equal rows get equal experts, rows that
-    differ independent draws; the same on every shard of a split model (each routes every token
+    hashed from the bits of the token's router input (``pallas_kernels.routing``): equal rows
+    get equal experts, rows that differ independent draws; the same on every shard of a split model (each routes every token
     from the same replicated rows). Random router weights route the tokens of a verify block far
     more alike than a trained router, so they read fewer experts than a real model would."""
 
@@ -122,60 +122,16 @@ def init_moe(spec: MoESpec, hidden: int, key: jax.Array, dtype, scale: float = 0
                      router_bias=zeros(e), gate_up_bias=zeros(e, 2 * i), down_bias=zeros(e, hidden))
 
 
-def _mix32(x: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finaliser: a bijection of uint32 in which every input bit moves every output bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _row_hashes(h: jax.Array) -> jax.Array:
-    """A uint32 hash [N] of each row's bits of h [N, H]: equal rows hash equal; rows that differ in
-    one element always differ, in several collide with probability about 2^-32."""
-    n = h.shape[0]
-    if h.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(h, jnp.uint32).reshape(n, -1)
-    else:
-        bits = jax.lax.bitcast_convert_type(h, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[h.dtype.itemsize])
-        bits = bits.astype(jnp.uint32)
-    position = jnp.arange(bits.shape[1], dtype=jnp.uint32)
-    # per element a bijection of its bits (odd multiplier), salted by its position; summed mod 2^32
-    terms = _mix32(bits * jnp.uint32(0x9E3779B1) + _mix32(position + jnp.uint32(0x632BE5AB)))
-    return _mix32(jnp.sum(terms, axis=1, dtype=jnp.uint32))
-
-
-def independent_experts(h: jax.Array, num_experts: int, top_k: int, skew: float) -> jax.Array:
-    """``IndependentRouting``'s experts [N, k] int32 of rows h [N, H]: the top k of log p_e + g,
-    p_e = 1 / (e + 1)^skew, g standard Gumbel noise hashed from the row's bits and e (Gumbel-top-k:
-    k draws without replacement, each in proportion to p among the experts not yet drawn)."""
-    expert = jnp.arange(num_experts, dtype=jnp.uint32)
-    keys = _mix32(_mix32(_row_hashes(h)[:, None] + expert * jnp.uint32(0x85EBCA77)) ^ jnp.uint32(0x27D4EB2F))
-    uniform = ((keys >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    scores = -jnp.log(-jnp.log(uniform)) - skew * jnp.log1p(expert.astype(jnp.float32))
-    return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
-
-
-def route(h: jax.Array, router: jax.Array, spec: MoESpec,
-          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(experts [N, k] int32, weights [N, k] in h's dtype) of tokens h [N, H], as transformers'
-    router: logits (+ bias) in h's dtype, softmax in f32, top k, renormalised when
-    ``norm_topk_prob`` (gpt-oss's softmax over the top k logits is the same numbers). With
-    ``spec.routing``, the experts are ``independent_experts`` and the weights the softmax at them,
-    renormalised the same way."""
-    logits = h @ router
-    if router_bias is not None:
-        logits = logits + router_bias
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if spec.routing is None:
-        weights, experts = jax.lax.top_k(probs, spec.top_k)
-    else:
-        experts = independent_experts(h, spec.num_experts, spec.top_k, spec.routing.skew)
-        weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if spec.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts.astype(jnp.int32), weights.astype(h.dtype)
+def route(x: jax.Array, norm_weight: jax.Array, eps: float, router: jax.Array, spec: MoESpec,
+          router_bias: jax.Array | None = None, impl: str = "reference") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(h [N, H], experts [N, k] int32, weights [N, k] in x's dtype) of rows x [N, H]: h =
+    rms_norm(x), then transformers' router (``pallas_kernels.routing.route_reference``): logits
+    (+ bias) in x's dtype, softmax in f32, top k, renormalised when ``norm_topk_prob``. With
+    ``spec.routing`` the experts are drawn per row (``independent_experts``), the weights still
+    the softmax at them."""
+    skew = None if spec.routing is None else spec.routing.skew
+    return ops.route_experts(x, norm_weight, router, router_bias, top_k=spec.top_k,
+                             norm_topk_prob=spec.norm_topk_prob, eps=eps, skew=skew, impl=impl)
 
 
 def _held_pairs(experts: jax.Array, held: int, first: jax.Array) -> jax.Array:
@@ -193,8 +149,8 @@ def forward(x: jax.Array, params: MoEParams, spec: MoESpec, norm_weight: jax.Arr
     width, or (expert parallelism: its weights hold fewer than ``num_experts``) a whole block of
     experts, skipping the pairs routed elsewhere. The routed and shared partial sums are summed
     over the axis once, before the residual."""
-    h = rms_norm(x, norm_weight, eps).reshape(-1, x.shape[-1])
-    experts, weights = route(h, params.router, spec, params.router_bias)
+    h, experts, weights = route(x.reshape(-1, x.shape[-1]), norm_weight, eps, params.router, spec,
+                                params.router_bias, impl)
     held = params.gate_up_proj.shape[0]
     down_bias = params.down_bias
     if tensor_axis is not None and held < spec.num_experts:
