@@ -23,8 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import run_loop  # noqa: E402
-from common import (SHAPES, acceptance_rate, check_block_sizes, check_positions, output_dir,  # noqa: E402
-                    positive_int, random_models, require_accelerator, run_record, write_json)
+from common import (SHAPES, acceptance_rate, add_routing_option, check_block_sizes, check_positions,  # noqa: E402
+                    check_routing, output_dir, positive_int, random_models, require_accelerator, routing_name,
+                    run_record, write_json)
 
 from dflash_jax.model import ops  # noqa: E402
 
@@ -56,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="tiny: CPU smoke test")
     parser.add_argument("--out", type=output_dir, default="out")
+    add_routing_option(parser)
     args = parser.parse_args(argv)
+    check_routing(parser, args)
     check_block_sizes(parser, "--cases", [block for _, block, _ in args.cases if block], args.shape)
     check_positions(parser, "--cases", [context for _, _, context in args.cases],
                     args.steps * SHAPES[args.shape][1].block_size + 1, args.shape)
@@ -68,10 +71,10 @@ def main(argv: list[str] | None = None):
     require_accelerator(args.shape)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run_record(args)
-    report.update(op=args.op, alpha=args.alpha, rows=[])
+    report.update(op=args.op, alpha=args.alpha, routing=routing_name(args.routing), rows=[])
     save = functools.partial(write_json, args.out / "ab_kernels.json", report)
     rows = report["rows"]
-    target, draft = random_models(args.shape)
+    target, draft = random_models(args.shape, routing=args.routing)
     default = ops.AUTO_KERNELS[args.op]
     try:
         for round_ in range(args.rounds):
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None):
                           f"ctx {context}: {ms:.3f} ms/step", file=sys.stderr, flush=True)
     finally:
         ops.AUTO_KERNELS[args.op] = default
-    print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | {args.op}, ms per step by round")
+    print(f"\n{report['device']} | jax {report['jax']} | {report['date']} | {args.shape}, routing {report['routing']} | "
+          f"{args.op}, ms per step by round")
     print(f"| case | {args.op} on | off |\n|---|---|---|")
     for batch, block, context in args.cases:
         def column(on):

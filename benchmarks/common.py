@@ -95,8 +95,8 @@ def names_from(choices: Sequence[str], *, allow_empty: bool = False) -> Callable
 
 
 def tuning_sets(names: Sequence[str]) -> Callable[[str], list[dict]]:
-    """An argparse type: ';'-separated JSON objects of a kernel's integer tuning keywords
-    ``names`` (e.g. ``{};{"block_k": 64}``), each a variant to time."""
+    """An argparse type: ';'-separated JSON objects of a kernel's integer (or true/false) tuning
+    keywords ``names`` (e.g. ``{};{"block_k": 64}``), each a variant to time."""
     def parse(text: str) -> list[dict]:
         result = []
         for item in text.split(";"):
@@ -106,9 +106,9 @@ def tuning_sets(names: Sequence[str]) -> Callable[[str], list[dict]]:
                 raise argparse.ArgumentTypeError(f"{item!r} is not valid JSON ({error})") from None
             if not isinstance(tuning, dict) or not set(tuning) <= set(names):
                 raise argparse.ArgumentTypeError(f"{item!r}: expected an object of {', '.join(names)}")
-            bad = {k: v for k, v in tuning.items() if isinstance(v, bool) or not isinstance(v, int)}
+            bad = {k: v for k, v in tuning.items() if not isinstance(v, int)}
             if bad:
-                raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers, got {bad}")
+                raise argparse.ArgumentTypeError(f"{item!r}: tuning values must be integers or true/false, got {bad}")
             result.append(tuning)
         return result
     return parse
@@ -246,8 +246,9 @@ def measured_experts(target: Target, batch: int, context: int, blocks: Sequence[
     target's own routing (its random router, or ``MoESpec.routing``) picks for the last ``block``
     tokens of ``batch`` random prompts of ``context + max(blocks)`` tokens (block 1: a decode
     step's tokens; more: a verify block's, its tokens random ones instead of drafts). One forward
-    from an empty cache on one device (reference attention), the experts read back by a host
-    callback."""
+    from an empty cache on one device (impl auto: on a GPU XLA's grouped matmul would hold every
+    expert's products of every token, 66 GB at Qwen3-30B-A3B's shape), the experts read back by a
+    host callback."""
     from dflash_jax.model import target as target_model
     from dflash_jax.model.cache import allocate_pages, init_cache
     from dflash_jax.model.nn import moe
@@ -262,16 +263,16 @@ def measured_experts(target: Target, batch: int, context: int, blocks: Sequence[
         for block in blocks:
             counts[block].append(len(np.unique(experts[:, -block:])))
 
-    def recording_route(h, router, spec, router_bias=None):
-        experts, weights = plain_route(h, router, spec, router_bias)
+    def recording_route(*args, **kwargs):
+        h, experts, weights = plain_route(*args, **kwargs)
         jax.debug.callback(record, experts)
-        return experts, weights
+        return h, experts, weights
 
     @jax.jit
     def run(params, tokens):
         cache = init_cache(target.config, None, table, num_pages, page, jnp.bfloat16)
         return target_model.forward(params, target.config, tokens, jnp.zeros(batch, jnp.int32), cache,
-                                    impl="reference")[0]
+                                    impl="auto")[0]
 
     plain_route, moe.route = moe.route, recording_route
     try:
