@@ -271,6 +271,24 @@ def test_an_mxfp4_checkpoint_keeps_its_experts_in_mxfp4_with_transformers_logits
     np.testing.assert_array_equal(_hf_logits(reloaded, tokens), expected)
 
 
+def test_auto_keeps_mxfp4_experts_on_one_gpu_where_every_step_runs_one_token(mxfp4_gpt_oss, monkeypatch, capsys):
+    """Where the MXFP4 kernel is faster (one GPU, one token a step: plain decoding of one prompt)
+    auto keeps the experts in MXFP4 and says why; with more tokens a step (a DFlash verify, a
+    batch) or none given, on several devices, or off GPUs, it dequantises them where they fit."""
+    _, folder = mxfp4_gpt_oss
+    config = load_target(folder, "float32", mxfp4_experts="keep").config
+    assert not load_target(folder, "float32", step_tokens=1).config.mxfp4_experts  # a CPU
+    monkeypatch.setattr(models, "on_gpu", lambda: True)
+    assert load_target(folder, "float32", step_tokens=1).config.mxfp4_experts
+    assert "MXFP4 experts: kept in MXFP4 (every step runs 1 token: the MXFP4 kernel decodes it faster than " \
+        "float32 experts" in capsys.readouterr().err
+    for step_tokens in (None, 2, 16):
+        assert not load_target(folder, "float32", step_tokens=step_tokens).config.mxfp4_experts
+    assert models.dequantizes_experts(config, jnp.float32, "auto", tp=2, step_tokens=1)
+    assert not models.dequantizes_experts(config, jnp.float32, "auto", tp=1, step_tokens=1)
+    assert models.dequantizes_experts(config, jnp.float32, "dequantize", step_tokens=1)
+
+
 def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gpt_oss, tmp_path):
     """An MXFP4 target converted keeps its codes (and dequantises on the device when asked);
     exported it writes the same *_blocks / *_scales bytes; DFlash on it is lossless, and the

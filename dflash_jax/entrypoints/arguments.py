@@ -26,7 +26,9 @@ DTYPE_NAMES = ("bfloat16", "float32", "float16")
 MXFP4_CHOICES = ("auto", "keep", "dequantize")
 MXFP4_EXPERTS_HELP = ("how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
                       "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster DFlash "
-                      "steps), auto (dequantize where that fits 80%% of a device's memory for JAX)")
+                      "steps and batches), auto (wherever it is faster: MXFP4 on one GPU when every step runs one "
+                      "token, plain decoding of one prompt; else dequantize where that fits 80%% of a device's "
+                      "memory for JAX)")
 IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
 # A server on a CPU answers its first request in seconds with a small pool: every slot at the
 # target's full context (4096 positions x 16 slots for the embedded pair) takes tens of seconds a

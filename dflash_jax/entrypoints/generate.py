@@ -230,19 +230,21 @@ def _generate(args, processes: distributed.Processes | None) -> int:
             # what generate checks, before the weights
             check_prompts(target_config, prompts, args.max_new_tokens, names=list(given))
             block = (args.block_size or draft_config.block_size) if draft_dir else 1
+            step_tokens = block * min(len(prompts), args.max_num_seqs)  # the most a decode step runs
             tensor_parallel = None
             local_configs = [target_config] + ([draft_config.model] if draft_dir else [])
             if args.tp > 1:
                 tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                                  expert_parallel=args.expert_parallel)
-                as_loaded = loaded_config(target_dir, args.dtype, args.mxfp4_experts, args.tp)  # (experts dequantised?)
+                as_loaded = loaded_config(target_dir, args.dtype, args.mxfp4_experts, args.tp,  # (experts dequantised?)
+                                          step_tokens)
                 local_configs = [local_config(as_loaded, args.tp, expert_parallel=args.expert_parallel)]
                 if draft_dir:
                     local_configs.append(local_draft_config(draft_config, tensor_parallel).model)
             check_kernel_shapes(args.impl, local_configs, args.page_size, block, jnp.dtype(DTYPES[args.dtype]).itemsize)
             keep_compiled_programs(args.compile_cache)
             target = load_target(target_dir, args.dtype, progress=leader, tensor_parallel=tensor_parallel,
-                                  mxfp4_experts=args.mxfp4_experts)
+                                  mxfp4_experts=args.mxfp4_experts, step_tokens=step_tokens)
             draft = load_draft(draft_dir, target, args.dtype, progress=leader) if draft_dir else None
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -25,6 +25,11 @@ MXFP4_EXPERTS = ("auto", "keep", "dequantize")
 # auto dequantises while the dequantised params take at most this share of the memory JAX may use
 # on a device (the rest for the KV cache and activations)
 DEQUANTIZED_SHARE = 0.8
+# ...except on one GPU where no step runs more tokens than this: the MXFP4 experts kernel decodes
+# one token faster than bf16 experts (gpt-oss-20b bs-1 decode, H200 2026-11-30: 3.41 against
+# 3.67 ms; H100 2026-11-28: 3.54 against 3.93), is level at 8 (a layer's experts 300 against 283
+# µs) and slower beyond (benchmarks/RESULTS.md)
+MXFP4_FASTER_TOKENS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,48 +127,62 @@ def _dense_bytes(config: ModelConfig, dtype, tp: int) -> float:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / tp
 
 
-def _auto_choice(config: ModelConfig, dtype, tp: int) -> tuple[bool, str]:
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (where the MXFP4 experts kernel runs)."""
+    return jax.default_backend() == "gpu"
+
+
+def _auto_choice(config: ModelConfig, dtype, tp: int, step_tokens: int | None) -> tuple[bool, str]:
     """("auto"'s choice for ``dequantizes_experts``, the line that says why)."""
     limit, dense = device_memory(), _dense_bytes(config, dtype, tp)
+    choose = "--mxfp4-experts keep|dequantize chooses"
+    if (on_gpu() and tp == 1 and step_tokens is not None
+            and step_tokens <= MXFP4_FASTER_TOKENS):
+        return False, (f"MXFP4 experts: kept in MXFP4 (every step runs {step_tokens} token: the MXFP4 kernel "
+                       f"decodes it faster than {jnp.dtype(dtype).name} experts; {choose})")
     dequantize = limit is None or dense <= DEQUANTIZED_SHARE * limit
     room = "" if limit is None else f" of the {limit / 1e9:.0f} GB JAX may use on a device"
     return dequantize, (f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize else 'kept in MXFP4'}"
-                        f" (dequantised, the params take {dense / 1e9:.1f} GB a device{room}; --mxfp4-experts "
-                        "keep|dequantize chooses)")
+                        f" (dequantised, the params take {dense / 1e9:.1f} GB a device{room}; {choose})")
 
 
-def dequantizes_experts(config: ModelConfig, dtype, mode: str, tp: int = 1) -> bool:
+def dequantizes_experts(config: ModelConfig, dtype, mode: str, tp: int = 1, step_tokens: int | None = None) -> bool:
     """Whether a target of ``config`` (as stored: ``checkpoint.stored_target_config``) loads its
     MXFP4 experts dequantised to ``dtype`` over ``tp`` devices: as ``mode`` says, or for "auto"
-    whenever the dequantised params fit ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device
-    (so on a CPU, which reports none): DFlash steps (verifies of several tokens) run faster with
-    bf16 experts than through the MXFP4 kernel, though one decoded token is faster in MXFP4
+    wherever that is faster: kept in MXFP4 on one GPU when no step runs more than
+    ``MXFP4_FASTER_TOKENS`` tokens (``step_tokens``: the most a step runs, None when not known:
+    plain decoding of one sequence runs 1), else dequantised whenever the dequantised params fit
+    ``DEQUANTIZED_SHARE`` of the memory JAX may use on a device (so on a CPU, which reports none):
+    DFlash steps (verifies of several tokens) and batches run faster with bf16 experts
     (``benchmarks/RESULTS.md``); kept in MXFP4, gpt-oss-120b fits one GPU."""
     if mode not in MXFP4_EXPERTS:
         raise ValueError(f"mxfp4_experts must be one of {MXFP4_EXPERTS}, got {mode!r}")
     if not config.mxfp4_experts or mode != "auto":
         return config.mxfp4_experts and mode == "dequantize"
-    return _auto_choice(config, dtype, tp)[0]
+    return _auto_choice(config, dtype, tp, step_tokens)[0]
 
 
-def loaded_config(path: str | Path, dtype="bfloat16", mxfp4_experts: str = "auto", tp: int = 1) -> ModelConfig:
+def loaded_config(path: str | Path, dtype="bfloat16", mxfp4_experts: str = "auto", tp: int = 1,
+                  step_tokens: int | None = None) -> ModelConfig:
     """The config ``load_target`` gives the target folder ``path`` (its experts as stored, or
     dequantised as ``mxfp4_experts`` says): what a caller checks a split or the kernels against
     before any weight is read."""
     config = checkpoint.stored_target_config(Path(path))
-    return config.with_dequantized_experts() if dequantizes_experts(config, _dtype(dtype), mxfp4_experts, tp) \
-        else config
+    return config.with_dequantized_experts() if dequantizes_experts(config, _dtype(dtype), mxfp4_experts, tp,
+                                                                    step_tokens) else config
 
 
 def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
-                tensor_parallel: TensorParallel | None = None, mxfp4_experts: str = "auto") -> Target:
+                tensor_parallel: TensorParallel | None = None, mxfp4_experts: str = "auto",
+                step_tokens: int | None = None) -> Target:
     """A target of any supported family from an HF folder (safetensors) or a folder made by
     checkpoints_convert.
     ``progress`` shows a tqdm bar on stderr while the weights are read. With ``tensor_parallel``
     each device receives only its slices as the checkpoint streams; a config that cannot be
     split that way is refused before any weight is read. Experts stored in MXFP4 (gpt-oss) are
     held as ``mxfp4_experts`` says (``MXFP4_EXPERTS``, ``dequantizes_experts``; "auto" says on
-    stderr what it chose): in MXFP4, or dequantised to ``dtype`` as they are read (3.8x their
+    stderr what it chose, from ``step_tokens``: the most tokens a step of the caller's will run,
+    None when not known): in MXFP4, or dequantised to ``dtype`` as they are read (3.8x their
     memory in bfloat16)."""
     path, dtype = Path(path), _dtype(dtype)
     tp = 1 if tensor_parallel is None else tensor_parallel.size
@@ -172,10 +191,10 @@ def load_target(path: str | Path, dtype="bfloat16", *, progress: bool = False,
         raise ValueError(f"{path} stores its experts dequantised (its config.json says mxfp4): they cannot be kept "
                          "in MXFP4; convert the released checkpoint again, or take --mxfp4-experts dequantize")
     if mxfp4_experts == "auto" and config.mxfp4_experts:
-        dequantize_experts, why = _auto_choice(config, dtype, tp)
+        dequantize_experts, why = _auto_choice(config, dtype, tp, step_tokens)
         print(why, file=sys.stderr)
     else:
-        dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tp)
+        dequantize_experts = dequantizes_experts(config, dtype, mxfp4_experts, tp, step_tokens)
     stored = config
     if dequantize_experts:
         config = config.with_dequantized_experts()
