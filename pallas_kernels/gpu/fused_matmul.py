@@ -99,6 +99,17 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     return MatmulBlocks(block_m, block_n, block_k, num_splits, num_warps, num_stages)
 
 
+def inverse_rms(load_x, k: int, block_m: int, block_k: int, eps: float) -> jax.Array:
+    """RMSNorm's 1 / rms(x) [block_m, 1] f32 of a program's rows of x [M, K], read as ``load_x(k0)``
+    tiles [block_m, block_k] (x is small at decode and verify sizes: read again from L2 after)."""
+    def sum_squares(step, total):
+        x = load_x(pl.multiple_of(step * block_k, block_k)).astype(jnp.float32)
+        return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+    total = lax.fori_loop(0, k // block_k, sum_squares, jnp.zeros((block_m, 1), jnp.float32))
+    return lax.rsqrt(total / k + eps)
+
+
 def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_per_split: int,
                          has_norm: bool, gated: bool, has_residual: bool, finish_here: bool, eps: float):
     """Refs are whole arrays: x [M, K], w [K, N or 2N], then norm_weight [K] and residual [M, N]
@@ -126,11 +137,7 @@ def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_
                           other=None if w_mask is None else 0)
 
     if has_norm:
-        def sum_squares(step, total):
-            x = load_x(pl.multiple_of(step * block_k, block_k)).astype(jnp.float32)
-            return total + jnp.sum(x * x, axis=1, keepdims=True)
-        total = lax.fori_loop(0, k // block_k, sum_squares, jnp.zeros((block_m, 1), jnp.float32))
-        inv_rms = lax.rsqrt(total / k + eps)
+        inv_rms = inverse_rms(load_x, k, block_m, block_k, eps)
 
     def body(step, accs):
         k0 = pl.multiple_of((split * steps_per_split + step) * block_k, block_k)

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu.fused_matmul import inverse_rms
 from pallas_kernels.gpu.tuning import check_launch, gpu_limits
 from pallas_kernels.routing import check_route_args, element_bits, gumbel_scores, hash_terms, log_popularity, mix32
 from pallas_kernels.sizes import is_power_of_2, next_power_of_2
@@ -48,12 +49,7 @@ def _route_kernel(x_ref, norm_ref, router_ref, *refs, block_k: int, num_experts:
     def load_x(k0):
         return plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], mask=x_mask, other=0)
 
-    def sum_squares(step, total):
-        x = load_x(pl.multiple_of(step * block_k, block_k)).astype(jnp.float32)
-        return total + jnp.sum(x * x, axis=1, keepdims=True)
-
-    total = lax.fori_loop(0, hidden // block_k, sum_squares, jnp.zeros((block_m, 1), jnp.float32))
-    inv_rms = lax.rsqrt(total / hidden + eps)
+    inv_rms = inverse_rms(load_x, hidden, block_m, block_k, eps)
 
     def body(step, carry):
         logits, hashes = carry
