@@ -278,7 +278,7 @@ def test_auto_keeps_mxfp4_experts_on_one_gpu_where_every_step_runs_one_token(mxf
     _, folder = mxfp4_gpt_oss
     config = load_target(folder, "float32", mxfp4_experts="keep").config
     assert not load_target(folder, "float32", step_tokens=1).config.mxfp4_experts  # a CPU
-    monkeypatch.setattr(models, "on_gpu", lambda: True)
+    monkeypatch.setattr(models, "mxfp4_kernel_runs", lambda impl="auto": True)
     assert load_target(folder, "float32", step_tokens=1).config.mxfp4_experts
     assert "MXFP4 experts: kept in MXFP4 (every step runs 1 token: the MXFP4 kernel decodes it faster than " \
         "float32 experts" in capsys.readouterr().err
@@ -287,6 +287,9 @@ def test_auto_keeps_mxfp4_experts_on_one_gpu_where_every_step_runs_one_token(mxf
     assert models.dequantizes_experts(config, jnp.float32, "auto", tp=2, step_tokens=1)
     assert not models.dequantizes_experts(config, jnp.float32, "auto", tp=1, step_tokens=1)
     assert models.dequantizes_experts(config, jnp.float32, "dequantize", step_tokens=1)
+    monkeypatch.undo()
+    # where the kernel does not run (a CPU, --impl reference) callers pass no step count
+    assert models.mxfp4_step_tokens("auto", 1, 1) is None and models.mxfp4_step_tokens("reference", 1, 1) is None
 
 
 def test_mxfp4_experts_convert_export_and_run_dflash_through_the_kernel(mxfp4_gpt_oss, tmp_path):

@@ -573,7 +573,9 @@ MXFP4_CASES = [("f32", 1, 2, 8, 64, 32, 16, "random", "both", "plain", {}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "gpt-oss", {"block_k": 32, "split_k": 1}),
                ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "skip", {"gemv": False}),
-               ("f32", 1, 3, 8, 96, 64, 16, "random", "gate_up", "gpt-oss", {"block_k": 32}),
+               ("f32", 1, 3, 8, 96, 64, 16, "random", "gate_up", "gpt-oss", {"block_k": 32, "gemv": True}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "both", "skip", {}),
+               ("bf16", 1, 4, 32, 128, 64, 16, "random", "down", "skip", {"split_k": 2, "block_k": 32}),
                ("bf16", 3, 4, 8, 256, 96, 16, "random", "both", "skip", {"split_k": 3, "block_k": 32}),
                ("f32", 17, 2, 4, 64, 32, 16, "one-expert", "gate_up", "plain", {}),
                ("bf16", 33, 4, 8, 128, 64, 32, "skewed", "both", "skip", {"block_k": 32}),
@@ -1328,8 +1330,7 @@ def test_routed_experts_rejects_bad_mxfp4_weights():
              "mxfp4, float32"),
             (mx(8, 64, 64), mx(8, 32, 64), {"block_k": 16}, "routed_experts_gate_up: block_k must be a power of "
              "two >= 32 that divides 64 .whole MXFP4 scale groups., got 16"),
-            (mx(8, 64, 64), mx(8, 32, 64), {"gemv": True}, "routed_experts_gate_up: gemv runs MXFP4 weights at one "
-             "token, got MXFP4 weights at 4 tokens")]:
+            (mx(8, 64, 64), mx(8, 32, 64), {"gemv": True}, "gemv runs MXFP4 weights at one token, got 4 tokens")]:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), x, experts, weights, gate_up, down)
     # two stages of bf16 gate|up tiles (2 x 256 x 128 x 2 B) overflow Hopper's budget; MXFP4's fit
@@ -1338,9 +1339,10 @@ def test_routed_experts_rejects_bad_mxfp4_weights():
     with pytest.raises(ValueError, match="routed_experts_gate_up: num_stages=2 stages of 139264 B"):
         jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, S((8, 256, 512), BF), S((8, 256, 256), BF))
     jax.eval_shape(functools.partial(pk_gpu.routed_experts, **kw), *big, mx(8, 256, 512), mx(8, 256, 256))
-    with pytest.raises(ValueError, match="routed_experts_gate_up: gemv runs MXFP4 weights at one token, got dense"):
+    with pytest.raises(ValueError, match="gemv runs MXFP4 weights at one token, got 1 tokens and dense gate_up, "
+                                         "dense down"):
         jax.eval_shape(functools.partial(pk_gpu.routed_experts, gemv=True), S((1, 64), BF), S((1, 2), jnp.int32),
-                       S((1, 2), BF), S((8, 64, 64), BF), mx(8, 32, 64))
+                       S((1, 2), BF), S((8, 64, 64), BF), S((8, 32, 64), BF))
 
 def test_write_pages_drops_page_ids_outside_the_pool():
     """Like the kernels: a page id outside [0, num_pages), negative included, writes nothing."""

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from dflash_jax.model.config import DraftConfig, ModelConfig, uniform_config
 from dflash_jax.runtime.generation import generate
@@ -116,6 +117,15 @@ def test_auto_projects_single_narrow_rows_with_the_kernel_and_the_rest_with_xla(
         out = ops.project(x, w, norm_weight=norm, impl="auto")
         assert bool(calls) == kernel_runs, (x_shape, w_shape)
         np.testing.assert_allclose(out, pk.fused_matmul_reference(x, w, norm_weight=norm), rtol=1e-5, atol=1e-5)
+    # on a shard of a tensor-parallel program (measured on one device only), and for K not a
+    # multiple of 16, XLA
+    mesh = jax.make_mesh((1,), ("tp",))
+    x, w = jnp.ones((1, 1, 2048)), jnp.ones((2048, 512)) / 2048
+    calls.clear()
+    jax.jit(jax.shard_map(lambda x, w: ops.project(x, w, impl="auto"), mesh=mesh, in_specs=(P(), P()),
+                          out_specs=P()))(x, w)
+    ops.project(jnp.ones((1, 1, 40)), jnp.ones((40, 8)), impl="auto")
+    assert not calls
 
 
 def test_dispatch_point(monkeypatch):

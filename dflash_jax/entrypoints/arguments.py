@@ -26,9 +26,9 @@ DTYPE_NAMES = ("bfloat16", "float32", "float16")
 MXFP4_CHOICES = ("auto", "keep", "dequantize")
 MXFP4_EXPERTS_HELP = ("how an MXFP4 checkpoint's routed experts (gpt-oss) are held: keep (MXFP4, decoded by the "
                       "experts' kernel: a quarter of the memory), dequantize (to --dtype at load: faster DFlash "
-                      "steps and batches), auto (wherever it is faster: MXFP4 on one GPU when every step runs one "
-                      "token, plain decoding of one prompt; else dequantize where that fits 80%% of a device's "
-                      "memory for JAX)")
+                      "steps and batches), auto (wherever it is faster: MXFP4 where the experts' kernel runs on "
+                      "one GPU and every step runs one token, plain decoding without a draft of one sequence at a "
+                      "time; else dequantize where that fits 80%% of a device's memory for JAX)")
 IMPLS = ("auto", "reference", "pallas", "interpret", "interpret-tpu")
 # A server on a CPU answers its first request in seconds with a small pool: every slot at the
 # target's full context (4096 positions x 16 slots for the embedded pair) takes tens of seconds a
@@ -57,8 +57,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help=f"float dtype of the weights and the KV cache ({DTYPE_DEFAULT_HELP}: on a CPU bfloat16 "
                         "runs 2-3x slower)")
     p.add_argument("--impl", default="auto", choices=IMPLS,
-                   help="auto: on an NVIDIA GPU of compute capability >= 8.0 the attention kernels and the "
-                        "norm/RoPE kernels that write KV pages, XLA for the rest; on a TPU the TPU kernels; "
+                   help="auto: on an NVIDIA GPU of compute capability >= 8.0 the kernels that win there (the "
+                        "attention kernels, the norm/RoPE kernels that write KV pages, the routed experts, the gated "
+                        "delta rule, single-row projections at hidden <= 3072), XLA for the rest; on a TPU the TPU "
+                        "kernels; "
                         "references elsewhere. pallas: every kernel of the backend; interpret: the GPU kernels in "
                         "Pallas interpret mode; interpret-tpu: the TPU kernels in TPU interpret mode (both slow; "
                         "for checking on a CPU)")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from dflash_jax.entrypoints.arguments import DEFAULT_MODEL, DEFAULT_PROMPT, generate_parser, target_families
 from dflash_jax.entrypoints.cli import (default_dtype, deferred_interrupts, exit_with, interrupt_exits,
                                         keep_compiled_programs, named_as_flags, one_line_warnings, or_na)
-from dflash_jax.loading.models import DTYPES, Draft, load_draft, load_target, loaded_config
+from dflash_jax.loading.models import DTYPES, Draft, load_draft, load_target, loaded_config, mxfp4_step_tokens
 from dflash_jax.loading.tokenizer import Tokenizer, chat_options, read_prompt_file, render_prompts
 from dflash_jax.model.cache import check_page_size
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
@@ -230,7 +230,7 @@ def _generate(args, processes: distributed.Processes | None) -> int:
             # what generate checks, before the weights
             check_prompts(target_config, prompts, args.max_new_tokens, names=list(given))
             block = (args.block_size or draft_config.block_size) if draft_dir else 1
-            step_tokens = block * min(len(prompts), args.max_num_seqs)  # the most a decode step runs
+            step_tokens = mxfp4_step_tokens(args.impl, min(len(prompts), args.max_num_seqs), block)
             tensor_parallel = None
             local_configs = [target_config] + ([draft_config.model] if draft_dir else [])
             if args.tp > 1:

@@ -24,7 +24,7 @@ import jax
 from dflash_jax.entrypoints.arguments import (API_KEY_VARIABLE, CPU_MAX_MODEL_LEN, CPU_MAX_NUM_SEQS, DEFAULT_MODEL,
                                               DEFAULT_MODEL_NAME, MAX_NUM_SEQS, serve_parser)
 from dflash_jax.entrypoints.cli import default_dtype, exit_with, keep_compiled_programs, one_line_warnings
-from dflash_jax.loading.models import load_draft, load_target
+from dflash_jax.loading.models import load_draft, load_target, mxfp4_step_tokens
 from dflash_jax.loading.tokenizer import Tokenizer
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.sharding import TensorParallel, make_mesh
@@ -86,9 +86,10 @@ def run(args) -> int:
     try:
         api_key = resolve_api_key(args.api_key, os.environ)
         target_config = load_target_config(target_dir)
+        draft_config = load_draft_config(draft_dir) if draft_dir else None
         if draft_dir:
             try:
-                load_draft_config(draft_dir).check_target(target_config)
+                draft_config.check_target(target_config)
             except ValueError as error:
                 if args.target is None:  # the user's draft beside the embedded target
                     raise ValueError(f"{error} (no --target was given, so the target is the embedded default "
@@ -104,8 +105,10 @@ def run(args) -> int:
         tensor_parallel = TensorParallel(make_mesh(args.tp), replicate_draft=args.replicate_draft,
                                          expert_parallel=args.expert_parallel) if args.tp > 1 else None
         keep_compiled_programs(args.compile_cache)
+        block = (args.block_size or draft_config.block_size) if draft_dir else 1
         target = load_target(target_dir, dtype, progress=True, tensor_parallel=tensor_parallel,
-                             mxfp4_experts=args.mxfp4_experts)
+                             mxfp4_experts=args.mxfp4_experts,
+                             step_tokens=mxfp4_step_tokens(args.impl, max_num_seqs, block))
         draft = load_draft(draft_dir, target, dtype, progress=True) if draft_dir else None
         engine = Engine(target, draft, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         num_pages=args.num_pages, page_size=args.page_size, block_size=args.block_size,

@@ -13,6 +13,7 @@ from dflash_jax.loading import checkpoint, mxfp4
 
 from dflash_jax.model import sharding
 from pallas_kernels import Mxfp4Weight
+from dflash_jax.model import ops
 from dflash_jax.model.config import DraftConfig, ModelConfig
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.params import DraftParams, TargetParams, init_draft_params, init_target_params
@@ -127,16 +128,25 @@ def _dense_bytes(config: ModelConfig, dtype, tp: int) -> float:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dense)) / tp
 
 
-def on_gpu() -> bool:
-    """Whether JAX's default backend is a GPU (where the MXFP4 experts kernel runs)."""
-    return jax.default_backend() == "gpu"
+def mxfp4_kernel_runs(impl: str = "auto") -> bool:
+    """Whether ``impl`` runs the MXFP4 experts' GPU kernel here (an NVIDIA GPU of compute
+    capability >= 8.0; elsewhere, or with ``impl="reference"``, the reference dequantises every
+    expert of a layer at each step)."""
+    return ops.resolve_impl(impl, "routed_experts") == "gpu"
+
+
+def mxfp4_step_tokens(impl: str, rows: int, block: int) -> int | None:
+    """``step_tokens`` for a caller whose steps run ``rows`` sequences of ``block`` tokens (1: plain
+    decoding) under ``impl``: None where the MXFP4 kernel does not run (auto then never keeps MXFP4
+    for speed)."""
+    return rows * block if mxfp4_kernel_runs(impl) else None
 
 
 def _auto_choice(config: ModelConfig, dtype, tp: int, step_tokens: int | None) -> tuple[bool, str]:
     """("auto"'s choice for ``dequantizes_experts``, the line that says why)."""
     limit, dense = device_memory(), _dense_bytes(config, dtype, tp)
     choose = "--mxfp4-experts keep|dequantize chooses"
-    if (on_gpu() and tp == 1 and step_tokens is not None
+    if (mxfp4_kernel_runs() and tp == 1 and step_tokens is not None
             and step_tokens <= MXFP4_FASTER_TOKENS):
         return False, (f"MXFP4 experts: kept in MXFP4 (every step runs {step_tokens} token: the MXFP4 kernel "
                        f"decodes it faster than {jnp.dtype(dtype).name} experts; {choose})")

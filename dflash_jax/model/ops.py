@@ -97,10 +97,14 @@ def resolve_impl(impl: AttentionImpl, op: str) -> str:
 
 def projection_kernel_wins(x, w) -> bool:
     """Whether "auto" runs the projection kernel for x [..., K] @ w [K, N]: a product of at most
-    ``PROJECTION_KERNEL_MAX_ROWS`` rows with K or N at most ``PROJECTION_KERNEL_MAX_WIDTH`` (on
-    a shard, its own slice), which XLA runs as a reduce fusion far from copy bandwidth."""
-    rows = x.size // x.shape[-1]
-    return rows <= PROJECTION_KERNEL_MAX_ROWS and min(w.shape) <= PROJECTION_KERNEL_MAX_WIDTH
+    ``PROJECTION_KERNEL_MAX_ROWS`` rows with K or N at most ``PROJECTION_KERNEL_MAX_WIDTH`` (and
+    K a multiple of 16, as the kernel needs), which XLA runs as a reduce fusion far from copy
+    bandwidth; measured on one device, so not on a shard of a tensor-parallel program (whose
+    slices of 8B-wide weights would pass the width test)."""
+    rows, k = x.size // x.shape[-1], x.shape[-1]
+    on_shard = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    return (rows <= PROJECTION_KERNEL_MAX_ROWS and min(w.shape) <= PROJECTION_KERNEL_MAX_WIDTH and k % 16 == 0
+            and not on_shard)
 
 
 def _kernel_kwargs(impl: str) -> dict:

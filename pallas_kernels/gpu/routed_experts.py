@@ -261,9 +261,14 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
     of 128, 64, 32, 16 that divide them; a multiple of 32 for an MXFP4 weight, whose steps
     reduce whole scale groups), ``split_k`` shares of each reduction, summed after the kernels
     (default ``reduction_splits``), ``num_stages`` software-pipelined steps (default: up to 3,
-    as many as shared memory holds), ``gemv``: one token's MXFP4 products summed elementwise
-    without tensor cores (``_gemv_ops``; default: for an MXFP4 weight at one token)."""
+    as many as shared memory holds), ``gemv``: one token's products with an MXFP4 weight summed
+    elementwise without tensor cores (``_gemv_ops``; None or True: for each MXFP4 weight at one
+    token, True an error elsewhere; False: tensor cores)."""
     check_routed_experts_args(x, experts, weights, gate_up, down)
+    if gemv and (experts.shape[0] != 1 or not any(isinstance(w, Mxfp4Weight) for w in (gate_up, down))):
+        raise ValueError(f"gemv runs MXFP4 weights at one token, got {experts.shape[0]} tokens and "
+                         f"{'MXFP4' if isinstance(gate_up, Mxfp4Weight) else 'dense'} gate_up, "
+                         f"{'MXFP4' if isinstance(down, Mxfp4Weight) else 'dense'} down")
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (gate_up.shape[0], gate_up.shape[2])),
                               ("down_bias", down_bias, (down.shape[0], down.shape[2]))):
         if bias is not None and bias.shape != shape:
@@ -304,10 +309,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up
                                                         gpu_limits().num_sms, mxfp4))
         out_shape = (pairs * splits, out_cols(splits))
         whole = lambda a: pl.BlockSpec(a.shape, lambda t, c, s: (0,) * a.ndim)  # noqa: E731
-        elementwise = mxfp4 and n == 1 if gemv is None else gemv
-        if elementwise and not (mxfp4 and n == 1):
-            raise ValueError(f"{name}: gemv runs MXFP4 weights at one token, got "
-                             f"{'MXFP4' if mxfp4 else 'dense'} weights at {n} tokens")
+        elementwise = mxfp4 and n == 1 and gemv is not False
         out = pl.pallas_call(
             functools.partial(kernel, block_m=block_m, block_n=bn, block_k=bk, splits=splits, gemv=elementwise,
                               inline_asm=mxfp4 and not interpret and x.dtype == jnp.bfloat16),
