@@ -715,6 +715,20 @@ def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypa
 
 
 
+def test_route_breaks_ties_to_the_lower_expert_as_top_k_does(interpret):
+    """Experts with equal router columns tie exactly: the kernel lists them in lax.top_k's order
+    (the lower id first), as the reference does, weights equal."""
+    rng = _rng("route-ties")
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    router = jnp.asarray(np.repeat(rng.standard_normal((64, 8)) / 8, 2, axis=1), jnp.float32)  # e and e ^ 1 tie
+    kw = dict(top_k=6, norm_topk_prob=True, eps=1e-6)
+    _, experts, weights = pk_gpu.route(x, jnp.ones(64), router, interpret=interpret, **kw)
+    _, ref_experts, ref_weights = pk.route_reference(x, jnp.ones(64), router, **kw)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(ref_experts))
+    assert (np.asarray(experts)[:, ::2] % 2 == 0).all()  # each tied pair, lower id first
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+
+
 def test_token_tiles_give_each_pair_of_one_token_its_own_tile():
     """One token's k pairs: tile j holds pair j in its first row and nothing else, its expert the
     pair's (-1 tiles between used ones); more than one token is refused."""
