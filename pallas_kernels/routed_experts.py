@@ -19,8 +19,8 @@ tiles of one expert each, as the kernels of both backends read them (``pallas_ke
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 
 from dflash_jax.loading import checkpoint, mxfp4
 
-from dflash_jax.model import sharding
+from dflash_jax.model import ops, sharding
 from pallas_kernels import Mxfp4Weight
-from dflash_jax.model import ops
 from dflash_jax.model.config import DraftConfig, ModelConfig
 from dflash_jax.model.hf_config import load_draft_config, load_target_config
 from dflash_jax.model.params import DraftParams, TargetParams, init_draft_params, init_target_params
@@ -144,12 +143,12 @@ def mxfp4_step_tokens(impl: str, rows: int, block: int) -> int | None:
 
 def _auto_choice(config: ModelConfig, dtype, tp: int, step_tokens: int | None) -> tuple[bool, str]:
     """("auto"'s choice for ``dequantizes_experts``, the line that says why)."""
-    limit, dense = device_memory(), _dense_bytes(config, dtype, tp)
     choose = "--mxfp4-experts keep|dequantize chooses"
     if (mxfp4_kernel_runs() and tp == 1 and step_tokens is not None
             and step_tokens <= MXFP4_FASTER_TOKENS):
         return False, (f"MXFP4 experts: kept in MXFP4 (every step runs {step_tokens} token: the MXFP4 kernel "
                        f"decodes it faster than {jnp.dtype(dtype).name} experts; {choose})")
+    limit, dense = device_memory(), _dense_bytes(config, dtype, tp)
     dequantize = limit is None or dense <= DEQUANTIZED_SHARE * limit
     room = "" if limit is None else f" of the {limit / 1e9:.0f} GB JAX may use on a device"
     return dequantize, (f"MXFP4 experts: {'dequantised to ' + jnp.dtype(dtype).name if dequantize else 'kept in MXFP4'}"
