@@ -4,7 +4,8 @@ Builds the benchmark's model (random weights), runs one chunk of plain decode an
 (acceptance replayed), each from a fresh prefill of the ``--context``-token prompts after an
 untimed warm-up chunk, under ``jax.profiler``, and summarizes the Perfetto trace: GPU busy time
 vs wall time (launch gaps) and the top kernels by total time. Each run traces into a new folder
-under ``--out`` and reads only that one; profile.json is rewritten after every mode.
+under ``--out`` and reads only that one; profile.json is rewritten after every mode. XLA's
+command buffers (CUDA graphs) are off in this process (``without_command_buffers``).
 
     PYTHONPATH=. python3 benchmarks/profile_step.py --out $OUT
 """
@@ -16,6 +17,7 @@ import collections
 import functools
 import gzip
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +38,22 @@ from dflash_jax.model.sharding import TensorParallel, make_mesh  # noqa: E402
 
 
 MODES = ("decode", "dflash")
+
+
+def without_command_buffers() -> None:
+    """Turn XLA's command buffers (CUDA graphs) off for this process. With them on, jax 0.11.2's
+    GPU profiler leaves the CUDA context broken once a trace stops: the next read from the device
+    fails with CUDA_ERROR_LAUNCH_FAILED (jax-ml/jax#40260; every shape, tiny included, on an H200
+    on 2026-11-30). Kernels run the same code, but each is launched on its own, so the trace's
+    launch gaps are those of an engine without CUDA graphs."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() == "gpu":
+            raise RuntimeError("on a GPU, profile_step.main runs before anything else in the process starts jax's "
+                               "backends: the command-buffer flag is read when they start")
+        return
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
 
 
 def kernel_events(trace_dir: Path, first_gpu_only: bool = False) -> list[dict]:
@@ -120,6 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None):
+    without_command_buffers()
     args = parse_args(argv)
     require_accelerator(args.shape)
     override_auto_kernels(args.auto_kernels)
@@ -128,6 +147,7 @@ def main(argv: list[str] | None = None):
                                   args.routing)
     prompts = random_prompts(np.random.default_rng(0), args.batch, args.context, target.config.vocab_size)
     report = run_record(args)
+    report["command_buffers"] = False
     save = functools.partial(write_json, args.out / "profile.json", report)
     for name in args.modes:
         use_draft = draft if name == "dflash" else None

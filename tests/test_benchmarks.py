@@ -4,6 +4,7 @@ arithmetic and the argument checks do."""
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -393,6 +394,23 @@ def test_profile_step_runs_the_tiny_shape_on_cpu(tmp_path):
     report = json.loads((tmp_path / "profile.json").read_text())
     for mode in profile_step.MODES:
         assert report[mode]["traced_wall_ms_per_step"] > 0 and len(list(tmp_path.glob(f"trace_{mode}_*"))) == 1
+
+
+def test_profile_step_turns_command_buffers_off_before_the_backends_start(monkeypatch):
+    """Traced with XLA's command buffers on, a GPU's next read fails (jax-ml/jax#40260): the flag is
+    added while the backends are not started, and a started GPU backend is refused."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    profile_step.without_command_buffers()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    profile_step.without_command_buffers()        # a started CPU backend: nothing to turn off
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="
+    monkeypatch.setattr(profile_step.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(RuntimeError, match="command-buffer flag"):
+        profile_step.without_command_buffers()
 
 
 def test_profile_step_refuses_a_trace_folder_with_more_than_one_trace(tmp_path):
