@@ -1,7 +1,8 @@
 """The decoder layers' projections at Qwen3-8B shape: weight layout and the fused Pallas kernel.
 
-Times the projections of all 36 layers with their real glue (RMSNorm, residual adds, SiLU gate;
-attention left out) at M = 1 / 8 / 16 rows, as ms per pass against the weights' byte floor at
+Times the projections of all layers with their real glue (RMSNorm, residual adds, SiLU gate;
+attention left out; for a MoE shape, its attention's q|k|v and o alone, without gpt-oss's biases:
+``bench_moe.py`` times the experts) at M = 1 / 8 / 16 rows, as ms per pass against the weights' byte floor at
 the copy bandwidth measured in the same run, three ways: q/k/v and gate/up as separate weights
 (HF's layout) through XLA; fused column-wise (``LayerParams.qkv_proj`` / ``gate_up_proj``)
 through XLA; and fused, through ``pallas_kernels.gpu.fused_matmul`` (norm, gate and residual inside
@@ -30,6 +31,7 @@ from common import (CEILING_SIZES, SHAPES, copy_bandwidth, copy_ceiling_bytes_pe
 
 from dflash_jax.model.config import ModelConfig  # noqa: E402
 from dflash_jax.model.nn.mlp import MLPSpec  # noqa: E402
+from dflash_jax.model.nn.moe import MoESpec  # noqa: E402
 from pallas_kernels.fused_matmul import fused_matmul_reference  # noqa: E402
 from pallas_kernels.gpu.fused_matmul import TUNING_ARGS, fused_matmul, matmul_blocks  # noqa: E402
 from pallas_kernels.norm_rope import rms_norm  # noqa: E402
@@ -39,28 +41,42 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def is_dense(config: ModelConfig) -> bool:
-    """A shape this benchmark models: every layer softmax attention and a dense SwiGLU."""
-    return not config.recurrent_layers and all(isinstance(layer.ffn, MLPSpec) for layer in config.layers)
+    """Every layer a dense SwiGLU (else every layer routed experts, whose projections are not timed here)."""
+    return all(isinstance(layer.ffn, MLPSpec) for layer in config.layers)
+
+
+def is_modelled(config: ModelConfig) -> bool:
+    """A shape this benchmark models: every layer softmax attention, and every FFN dense or every
+    one routed experts."""
+    return not config.recurrent_layers and (is_dense(config) or all(isinstance(layer.ffn, MoESpec)
+                                                                    for layer in config.layers))
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-    """(K, output columns N, gated) of each fused projection."""
-    h, i = config.hidden_size, config.intermediate_size
+    """(K, output columns N, gated) of each fused projection: q|k|v and o, and a dense shape's
+    gate|up and down."""
+    h = config.hidden_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"qkv": (h, q + 2 * kv, False), "o": (q, h, False), "gate_up": (h, i, True), "down": (i, h, False)}
+    shapes = {"qkv": (h, q + 2 * kv, False), "o": (q, h, False)}
+    if is_dense(config):
+        i = config.intermediate_size
+        shapes.update(gate_up=(h, i, True), down=(i, h, False))
+    return shapes
 
 
 def layer_weights(key, fused: bool, config: ModelConfig) -> dict:
-    h, i = config.hidden_size, config.intermediate_size
+    h = config.hidden_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     k = jax.random.split(key, 7)
     normal = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(DTYPE)  # noqa: E731
     if fused:  # [K, N], or [K, 2N] for gate|up
         return {name: normal(k[j], (depth, (2 if gated else 1) * n))
                 for j, (name, (depth, n, gated)) in enumerate(projection_shapes(config).items())}
-    return {"q": normal(k[0], (h, q)), "k": normal(k[4], (h, kv)), "v": normal(k[5], (h, kv)),
-            "o": normal(k[1], (q, h)), "gate": normal(k[2], (h, i)), "up": normal(k[6], (h, i)),
-            "down": normal(k[3], (i, h))}
+    weights = {"q": normal(k[0], (h, q)), "k": normal(k[4], (h, kv)), "v": normal(k[5], (h, kv)), "o": normal(k[1], (q, h))}
+    if is_dense(config):
+        i = config.intermediate_size
+        weights.update(gate=normal(k[2], (h, i)), up=normal(k[6], (h, i)), down=normal(k[3], (i, h)))
+    return weights
 
 
 def kernel_projections(mode: str) -> set[str]:
@@ -92,7 +108,11 @@ def check_tunings(parser: argparse.ArgumentParser, args: argparse.Namespace, con
     """Run the kernel's tiling rule on every (pass, tuning, rows, projection) the run will time,
     so a tuning it refuses stops the run before anything is timed, not after the passes before it."""
     for mode in args.passes:
-        for name in [p for p in PROJECTIONS if p in kernel_projections(mode)]:
+        missing = kernel_projections(mode) - set(projection_shapes(config)) if mode.startswith("kernel:") else set()
+        if missing:
+            parser.error(f"--passes {mode}: --shape {args.shape} has no {', '.join(sorted(missing))} projection "
+                         "(a MoE shape's experts are timed by bench_moe.py)")
+        for name in [p for p in projection_shapes(config) if p in kernel_projections(mode)]:
             k, n, gated = projection_shapes(config)[name]
             for tuning in args.tunings:
                 for m in args.rows:
@@ -111,6 +131,7 @@ def layers_pass(mode: str, tuning: dict, config: ModelConfig):
     ones = jnp.ones((config.hidden_size,), DTYPE)
     kernel_for = kernel_projections(mode)
     interpret = jax.default_backend() != "gpu"
+    dense = is_dense(config)
 
     def project(name, x, w, **kw):
         if name in kernel_for:
@@ -123,11 +144,15 @@ def layers_pass(mode: str, tuning: dict, config: ModelConfig):
                 h = rms_norm(x, ones, 1e-6)
                 q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
                 x = x + (q + (k.sum() + v.sum()).astype(DTYPE) * 0) @ w["o"]
+                if not dense:
+                    continue
                 h = rms_norm(x, ones, 1e-6)
                 x = x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
                 continue
             q, k, v = jnp.split(project("qkv", x, w["qkv"], norm_weight=ones), [q_width, q_width + kv_width], axis=-1)
             x = project("o", q + (k.sum() + v.sum()).astype(DTYPE) * 0, w["o"], residual=x)
+            if not dense:
+                continue
             h = project("gate_up", x, w["gate_up"], norm_weight=ones, gated=True)
             x = project("down", h, w["down"], residual=x)
         return x
@@ -143,7 +168,8 @@ def time_layers(mode: str, rows: list[int], bandwidth: float, tuning: dict, conf
     for m in rows:
         x = jax.random.normal(jax.random.key(3), (m, config.hidden_size), DTYPE)
         seconds = median_seconds(lambda: run(x, layers).block_until_ready(), 7)
-        entry = {"weights": mode, "tuning": tuning, "m": m, "ms": seconds * 1e3, "floor_ms": weight_bytes / bandwidth * 1e3}
+        entry = {"weights": mode, "tuning": tuning, "m": m, "ms": seconds * 1e3, "weight_bytes": weight_bytes,
+                 "floor_ms": weight_bytes / bandwidth * 1e3}
         entries.append(entry)
         print(f"{mode:9s} {json.dumps(tuning) if tuning else ''} M={m:<3d} {entry['ms']:6.2f} ms, floor {entry['floor_ms']:.2f} "
               f"({entry['floor_ms'] / entry['ms']:.0%})", flush=True)
@@ -154,7 +180,7 @@ def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out", type=output_dir, default="out")
     parser.add_argument("--shape", default="qwen3-8b", help="tiny: CPU smoke test",
-                        choices=sorted(name for name, (config, _) in SHAPES.items() if is_dense(config)))
+                        choices=sorted(name for name, (config, _) in SHAPES.items() if is_modelled(config)))
     parser.add_argument("--rows", type=positive_ints, default="1,8,16")
     parser.add_argument("--passes", type=pass_modes, default="separate,fused,kernel", help="whole-pass modes to time")
     parser.add_argument("--tunings", type=tuning_sets(TUNING_ARGS), default="{}", help="';'-separated JSON keyword sets for the kernel "

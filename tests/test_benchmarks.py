@@ -435,6 +435,21 @@ def test_bench_matmul_rejects_bad_settings_before_any_device_work(capsys, argv, 
     assert message in parse_error(capsys, bench_matmul.main, ["--shape", "tiny", *argv])
 
 
+def test_bench_matmul_times_a_moe_shapes_attention_projections_alone(capsys, tmp_path):
+    """A MoE shape: q|k|v and o of every layer (the experts are bench_moe's), each pass and tuning."""
+    assert "--shape tiny-moe has no gate_up projection" in parse_error(
+        capsys, bench_matmul.main, ["--shape", "tiny-moe", "--passes", "kernel:o+gate_up"])
+    bench_matmul.main(["--shape", "tiny-moe", "--rows", "1", "--passes", "separate,kernel",
+                       "--tunings", '{};{"num_splits": 2}', "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "matmul.json").read_text())["runs"]
+    from common import SHAPES
+    config = SHAPES["tiny-moe"][0]
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attention_bytes = config.num_layers * 2 * config.hidden_size * (2 * q + 2 * kv)
+    assert [(r["weights"], r["tuning"]) for r in runs] == [("separate", {}), ("kernel", {}), ("kernel", {"num_splits": 2})]
+    assert all(r["weight_bytes"] == attention_bytes and r["ms"] > 0 for r in runs)
+
+
 def test_bench_reference_checks_its_settings(capsys, tmp_path):
     import bench_reference
     assert "is a folder" in parse_error(capsys, bench_reference.parse_args, ["--out", str(tmp_path)])
