@@ -62,8 +62,13 @@ class _Server(BackgroundServer):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=600)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+        return _metric(self.url, name)
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's labelled values on the server at ``url``."""
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _engine(models, with_draft=True, **kwargs) -> Engine:
@@ -332,7 +337,9 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, url + "/v1/completions", timeout=600,
                                  json={"prompt": "def", "max_tokens": 100, "temperature": 0, "ignore_eos": True})
-            time.sleep(0.5)
+            while not answer.done() and _metric(url, "dflash:num_requests_running") == 0:   # SIGTERM once it runs
+                assert time.monotonic() < deadline, "the request did not start"
+                time.sleep(0.05)
             process.send_signal(signal.SIGTERM)
             response = answer.result()
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 100
