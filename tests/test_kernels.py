@@ -715,14 +715,15 @@ def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypa
 
 
 
-def test_route_breaks_ties_to_the_lower_expert_as_top_k_does(interpret):
+@pytest.mark.parametrize("tuning", [{}, {"block_k": 16}], ids=["one-launch", "four-shares"])
+def test_route_breaks_ties_to_the_lower_expert_as_top_k_does(interpret, tuning):
     """Experts with equal router columns tie exactly: the kernel lists them in lax.top_k's order
     (the lower id first), as the reference does, weights equal."""
     rng = _rng("route-ties")
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
     router = jnp.asarray(np.repeat(rng.standard_normal((64, 8)) / 8, 2, axis=1), jnp.float32)  # e and e ^ 1 tie
     kw = dict(top_k=6, norm_topk_prob=True, eps=1e-6)
-    _, experts, weights = pk_gpu.route(x, jnp.ones(64), router, interpret=interpret, **kw)
+    _, experts, weights = pk_gpu.route(x, jnp.ones(64), router, interpret=interpret, **kw, **tuning)
     _, ref_experts, ref_weights = pk.route_reference(x, jnp.ones(64), router, **kw)
     np.testing.assert_array_equal(np.asarray(experts), np.asarray(ref_experts))
     assert (np.asarray(experts)[:, ::2] % 2 == 0).all()  # each tied pair, lower id first
@@ -741,28 +742,32 @@ def test_token_tiles_give_each_pair_of_one_token_its_own_tile():
 
 
 # MoE routing (norm, router, softmax, top k): (dtype, tokens, hidden, experts, top_k, router bias,
-# renormalised, skew: None for the router's top k, else hashed independent draws)
-ROUTE_CASES = [("f32", 1, 64, 16, 4, False, True, None), ("bf16", 1, 128, 128, 8, False, True, None),
-               ("f32", 37, 96, 12, 3, True, False, None), ("bf16", 20, 64, 32, 4, True, True, None),
-               ("f32", 16, 64, 256, 8, False, True, None), ("bf16", 5, 64, 32, 8, False, True, 0.0),
-               ("f32", 19, 96, 20, 4, True, False, 1.0), ("f16", 3, 32, 8, 2, False, True, None)]
+# renormalised, skew: None for the router's top k, else hashed independent draws, tuning). By
+# ``route_splits`` a hidden size of one step runs in one launch, of more steps in two (shares).
+ROUTE_CASES = [("f32", 1, 64, 16, 4, False, True, None, {}), ("bf16", 1, 128, 128, 8, False, True, None, {}),
+               ("f32", 37, 96, 12, 3, True, False, None, {}), ("bf16", 20, 64, 32, 4, True, True, None, {}),
+               ("f32", 16, 64, 256, 8, False, True, None, {}), ("bf16", 5, 64, 32, 8, False, True, 0.0, {}),
+               ("f32", 19, 96, 20, 4, True, False, 1.0, {}), ("f16", 3, 32, 8, 2, False, True, None, {}),
+               ("bf16", 1, 2048, 128, 8, False, True, 0.0, {}),  # Qwen3-30B-A3B's decode: 16 shares
+               ("f32", 37, 96, 12, 3, True, False, None, {"num_splits": 1}),
+               ("bf16", 33, 256, 64, 6, True, True, 1.0, {"block_k": 16, "num_splits": 4})]
 
 
-@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "-".join(map(str, c[:8])) + (f"-{c[8]}" if c[8] else ""))
 def test_route(case, interpret, check):
     """The kernel's h equals the reference's; its weights are the reference's softmax at its own
     experts; in f32 the experts are the reference's, in 16-bit floats (where an ulp of a logit can
     reorder near-ties) they carry the reference's top-k mass within the tolerance; drawn
     independently, they are the draw from the kernel's own h, exactly."""
-    dtype, tokens, hidden, num_experts, top_k, has_bias, norm, skew = case
+    dtype, tokens, hidden, num_experts, top_k, has_bias, norm, skew, tuning = case
     dtype = DTYPES[dtype]
-    rng = _rng("route", case)
+    rng = _rng("route", case[:8])
     x = jnp.asarray(3 * rng.standard_normal((tokens, hidden)), dtype)
     norm_weight = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype)
     router = jnp.asarray(rng.standard_normal((hidden, num_experts)) / np.sqrt(hidden), dtype)
     bias = jnp.asarray(0.3 * rng.standard_normal(num_experts), dtype) if has_bias else None
     kw = dict(top_k=top_k, norm_topk_prob=norm, eps=1e-6, skew=skew)
-    h, experts, weights = pk_gpu.route(x, norm_weight, router, bias, interpret=interpret, **kw)
+    h, experts, weights = pk_gpu.route(x, norm_weight, router, bias, interpret=interpret, **kw, **tuning)
     ref_h, ref_experts, ref_weights = pk.route_reference(x, norm_weight, router, bias, **kw)
     assert experts.shape == weights.shape == (tokens, top_k) and experts.dtype == jnp.int32
     assert h.dtype == weights.dtype == dtype
@@ -786,6 +791,21 @@ def test_route(case, interpret, check):
     else:
         best = np.take_along_axis(probs, np.asarray(ref_experts), axis=1).sum(axis=1)
         assert (chosen.sum(axis=1) >= best - tol).all()
+
+
+def test_route_splits_cover_the_sms_and_bad_tilings_are_refused():
+    from pallas_kernels.gpu.routing import route_splits
+    assert route_splits(1, 16, 132) == 16    # Qwen3-30B-A3B's decode: each router step its own program
+    assert route_splits(16, 45, 132) == 45   # gpt-oss-20b's 8-token verify (2880 / 64)
+    assert route_splits(512, 16, 132) == 4   # a prefill's 32 row programs
+    assert route_splits(640, 45, 132) == 3   # 40 row programs: 3 divides 45
+    assert route_splits(4096, 16, 132) == 1
+    x, norm_weight, router = S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)
+    kw = dict(top_k=8, norm_topk_prob=True, eps=1e-6)
+    with pytest.raises(ValueError, match="num_splits must divide the 16 steps of block_k 128"):
+        jax.eval_shape(functools.partial(pk_gpu.route, **kw, num_splits=3), x, norm_weight, router)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+        jax.eval_shape(functools.partial(pk_gpu.route, **kw, block_k=48), x, norm_weight, router)
 
 # --------------------------------------------------------------------------------------------
 # fused_matmul: [RMSNorm] -> x @ w -> [SwiGLU] -> [+ residual] for decode/verify-sized row counts.
@@ -972,6 +992,8 @@ LOWERINGS = {
                                                          _mxfp4_shapes(8, 64, 256)), {"block_k": 32}),
     "route_decode": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6),
                      (S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)), {}),
+    "route_decode_one_launch": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6, num_splits=1),
+                                (S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)), {}),
     "route_verify_256_experts_drawn": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6,
                                                          skew=1.0),
                                        (S((16, 2048), BF), S((2048,), BF), S((2048, 256), BF)), {}),
