@@ -3,7 +3,8 @@
 ``route_reference`` is what the model runs through XLA, as transformers' routers compute it: the
 normalised rows h, logits h @ router (+ bias) in h's dtype, softmax in f32, the top k experts,
 their probabilities renormalised to sum 1 when asked (gpt-oss's softmax over its top k logits is
-the same numbers). The GPU kernel (``pallas_kernels.gpu.routing``) does all of it in one launch.
+the same numbers). The GPU kernel (``pallas_kernels.gpu.routing``) does all of it in one launch
+or two.
 
 Benchmarks of random weights may draw each row's experts independently of every other row's
 (``skew``, ``independent_experts``): a random router routes the tokens of a verify block far more

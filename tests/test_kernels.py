@@ -715,7 +715,7 @@ def test_expert_tiles_leave_out_the_pairs_of_expert_minus_one(counting, monkeypa
 
 
 
-@pytest.mark.parametrize("tuning", [{}, {"block_k": 16}], ids=["one-launch", "four-shares"])
+@pytest.mark.parametrize("tuning", [{"num_splits": 1}, {"block_k": 16}], ids=["one-launch", "four-shares"])
 def test_route_breaks_ties_to_the_lower_expert_as_top_k_does(interpret, tuning):
     """Experts with equal router columns tie exactly: the kernel lists them in lax.top_k's order
     (the lower id first), as the reference does, weights equal."""
@@ -743,12 +743,17 @@ def test_token_tiles_give_each_pair_of_one_token_its_own_tile():
 
 # MoE routing (norm, router, softmax, top k): (dtype, tokens, hidden, experts, top_k, router bias,
 # renormalised, skew: None for the router's top k, else hashed independent draws, tuning). By
-# ``route_splits`` a hidden size of one step runs in one launch, of more steps in two (shares).
-ROUTE_CASES = [("f32", 1, 64, 16, 4, False, True, None, {}), ("bf16", 1, 128, 128, 8, False, True, None, {}),
-               ("f32", 37, 96, 12, 3, True, False, None, {}), ("bf16", 20, 64, 32, 4, True, True, None, {}),
-               ("f32", 16, 64, 256, 8, False, True, None, {}), ("bf16", 5, 64, 32, 8, False, True, 0.0, {}),
-               ("f32", 19, 96, 20, 4, True, False, 1.0, {}), ("f16", 3, 32, 8, 2, False, True, None, {}),
-               ("bf16", 1, 2048, 128, 8, False, True, 0.0, {}),  # Qwen3-30B-A3B's decode: 16 shares
+# default the router is split into shares (two launches); num_splits 1 is the one launch.
+ROUTE_CASES = [("f32", 1, 64, 16, 4, False, True, None, {"num_splits": 1}),
+               ("bf16", 1, 128, 128, 8, False, True, None, {}),
+               ("f32", 37, 96, 12, 3, True, False, None, {}),
+               ("bf16", 20, 64, 32, 4, True, True, None, {"num_splits": 1}),
+               ("f32", 16, 64, 256, 8, False, True, None, {}),
+               ("bf16", 5, 64, 32, 8, False, True, 0.0, {"num_splits": 1}),
+               ("f32", 19, 96, 20, 4, True, False, 1.0, {}),
+               ("f16", 3, 32, 8, 2, False, True, None, {"num_splits": 1}),
+               ("f16", 9, 128, 24, 3, True, True, None, {"block_k": 32}),
+               ("bf16", 1, 2048, 128, 8, False, True, 0.0, {}),  # Qwen3-30B-A3B's decode: 32 shares
                ("f32", 37, 96, 12, 3, True, False, None, {"num_splits": 1}),
                ("bf16", 33, 256, 64, 6, True, True, 1.0, {"block_k": 16, "num_splits": 4})]
 
@@ -799,11 +804,14 @@ def test_route_splits_cover_the_sms_and_bad_tilings_are_refused():
     assert route_splits(16, 45, 132) == 45   # gpt-oss-20b's 8-token verify (2880 / 64)
     assert route_splits(512, 16, 132) == 4   # a prefill's 32 row programs
     assert route_splits(640, 45, 132) == 3   # 40 row programs: 3 divides 45
+    assert route_splits(33, 45, 132) == 15   # 44 wanted: the largest divisor of 45 below
     assert route_splits(4096, 16, 132) == 1
     x, norm_weight, router = S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)
     kw = dict(top_k=8, norm_topk_prob=True, eps=1e-6)
-    with pytest.raises(ValueError, match="num_splits must divide the 16 steps of block_k 128"):
-        jax.eval_shape(functools.partial(pk_gpu.route, **kw, num_splits=3), x, norm_weight, router)
+    for num_splits in (3, 0, -1, 32):
+        with pytest.raises(ValueError, match=f"num_splits must divide the 16 steps of block_k 128.*got {num_splits}"):
+            jax.eval_shape(functools.partial(pk_gpu.route, **kw, block_k=128, num_splits=num_splits), x, norm_weight,
+                           router)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
         jax.eval_shape(functools.partial(pk_gpu.route, **kw, block_k=48), x, norm_weight, router)
 
@@ -994,6 +1002,9 @@ LOWERINGS = {
                      (S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)), {}),
     "route_decode_one_launch": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6, num_splits=1),
                                 (S((1, 2048), BF), S((2048,), BF), S((2048, 128), BF)), {}),
+    "route_prefill_rows_drawn_in_shares": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6,
+                                                             skew=0.0),
+                                           (S((33, 2880), BF), S((2880,), BF), S((2880, 32), BF)), {}),
     "route_verify_256_experts_drawn": (functools.partial(pk_gpu.route, top_k=8, norm_topk_prob=True, eps=1e-6,
                                                          skew=1.0),
                                        (S((16, 2048), BF), S((2048,), BF), S((2048, 256), BF)), {}),

@@ -31,6 +31,8 @@ from pallas_kernels.sizes import is_power_of_2, next_power_of_2
 
 ROWS_PER_PROGRAM = 16  # the smallest tensor-core tile
 TILE_BYTES = 32 * 1024  # the router tile a step streams, at most
+RMS_TILE = 512  # columns a share program's RMSNorm statistics read at a time
+MAX_SHARES = 32  # shares of the router a row block's default tiling aims for, at most
 
 
 def _row_block(n: int):
@@ -39,11 +41,27 @@ def _row_block(n: int):
     return m0, m0 + lax.broadcasted_iota(jnp.int32, (ROWS_PER_PROGRAM, 1), 0)
 
 
+def _wide_inverse_rms(x_ref, rows: jax.Array, eps: float) -> jax.Array:
+    """``inverse_rms`` of the rows [16, 1] read ``RMS_TILE`` columns at a time (masked past the
+    hidden size): every share program needs the whole rows' statistics before its own few steps,
+    so they take a few wide loads, not one per ``block_k``."""
+    n, hidden = x_ref.shape
+    tile = min(RMS_TILE, next_power_of_2(hidden))
+
+    def sum_squares(step, total):
+        cols = step * tile + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+        x = plgpu.load(x_ref.at[rows, cols], mask=(rows < n) & (cols < hidden), other=0).astype(jnp.float32)
+        return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+    total = lax.fori_loop(0, pl.cdiv(hidden, tile), sum_squares, jnp.zeros((ROWS_PER_PROGRAM, 1), jnp.float32))
+    return lax.rsqrt(total / hidden + eps)
+
+
 def _partial_logits(x_ref, norm_ref, router_ref, h_ref, first_step: int | jax.Array, steps: int, *, block_k: int,
-                    eps: float, independent: bool) -> tuple[jax.Array, jax.Array]:
+                    eps: float, independent: bool, wide_rms: bool) -> tuple[jax.Array, jax.Array]:
     """(f32 logits [16, E'], hashes [16, 1] uint32) of this program's rows over hidden dims
     ``first_step * block_k`` .. ``(first_step + steps) * block_k``, writing h there: the RMSNorm's
-    statistics over the whole rows, each x tile normalised, times the router's tile on the tensor
+    statistics over the whole rows (``_wide_inverse_rms`` when ``wide_rms``), each x tile normalised, times the router's tile on the tensor
     cores, and (independent routing) h's bits folded into the rows' hashes (sums mod 2^32, so
     partial sums add up to the whole)."""
     (n, hidden), dtype = x_ref.shape, x_ref.dtype
@@ -54,7 +72,8 @@ def _partial_logits(x_ref, norm_ref, router_ref, h_ref, first_step: int | jax.Ar
     def load_x(k0):
         return plgpu.load(x_ref.at[pl.ds(m0, ROWS_PER_PROGRAM), pl.ds(k0, block_k)], mask=x_mask, other=0)
 
-    inv_rms = inverse_rms(load_x, hidden, ROWS_PER_PROGRAM, block_k, eps)
+    inv_rms = _wide_inverse_rms(x_ref, rows, eps) if wide_rms else inverse_rms(load_x, hidden, ROWS_PER_PROGRAM,
+                                                                                block_k, eps)
 
     def body(step, carry):
         logits, hashes = carry
@@ -127,31 +146,35 @@ def _route_kernel(x_ref, norm_ref, router_ref, *refs, block_k: int, num_experts:
     bias_ref, popularity_ref, (h_ref, experts_ref, weights_ref) = _optional_refs(list(refs), has_bias, independent)
     n, hidden = x_ref.shape
     logits, hashes = _partial_logits(x_ref, norm_ref, router_ref, h_ref, 0, hidden // block_k, block_k=block_k,
-                                     eps=eps, independent=independent)
+                                     eps=eps, independent=independent, wide_rms=False)
     _finish_route(logits, hashes, bias_ref, popularity_ref, experts_ref, weights_ref, n=n, dtype=x_ref.dtype,
                   num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob)
 
 
-def _route_shares_kernel(x_ref, norm_ref, router_ref, h_ref, logits_ref, hashes_ref, *, block_k: int,
+def _route_shares_kernel(x_ref, norm_ref, router_ref, h_ref, logits_ref, *hashes_ref, block_k: int,
                          steps_per_split: int, eps: float, independent: bool):
     """The first of two launches. Program (i, s): rows i * 16 .. of x [N, H] over the s-th share of
-    the hidden size: h there, and the share's f32 logits [S, N, E'] and hashes [S, N, 1]."""
+    the hidden size: h there, and the share's f32 logits [S, N, E'] (and, for independent routing,
+    hashes [S, N, 1])."""
     n = x_ref.shape[0]
     split = pl.program_id(1)
     logits, hashes = _partial_logits(x_ref, norm_ref, router_ref, h_ref, split * steps_per_split, steps_per_split,
-                                     block_k=block_k, eps=eps, independent=independent)
+                                     block_k=block_k, eps=eps, independent=independent, wide_rms=True)
     _, rows = _row_block(n)
     cols = lax.broadcasted_iota(jnp.int32, (1, logits.shape[1]), 1)
     plgpu.store(logits_ref.at[split, rows, cols], logits, mask=jnp.broadcast_to(rows < n, logits.shape))
     if independent:
-        plgpu.store(hashes_ref.at[split, rows, jnp.zeros((1, 1), jnp.int32)], hashes, mask=rows < n)
+        plgpu.store(hashes_ref[0].at[split, rows, jnp.zeros((1, 1), jnp.int32)], hashes, mask=rows < n)
 
 
-def _finish_shares_kernel(logits_ref, hashes_ref, *refs, dtype, num_experts: int, top_k: int, norm_topk_prob: bool,
+def _finish_shares_kernel(logits_ref, *refs, dtype, num_experts: int, top_k: int, norm_topk_prob: bool,
                           has_bias: bool, independent: bool):
-    """The second launch. Program i: rows i * 16 .. of the shares' logits [S, N, E'] (and hashes),
-    summed in share order (deterministic), then ``_finish_route``."""
-    bias_ref, popularity_ref, (experts_ref, weights_ref) = _optional_refs(list(refs), has_bias, independent)
+    """The second launch. Program i: rows i * 16 .. of the shares' logits [S, N, E'] (and, for
+    independent routing, hashes [S, N, 1]), summed in share order (deterministic), then
+    ``_finish_route``."""
+    refs = list(refs)
+    hashes_ref = refs.pop(0) if independent else None
+    bias_ref, popularity_ref, (experts_ref, weights_ref) = _optional_refs(refs, has_bias, independent)
     num_splits, n, padded = logits_ref.shape
     _, rows = _row_block(n)
     cols = lax.broadcasted_iota(jnp.int32, (1, padded), 1)
@@ -171,10 +194,11 @@ def _finish_shares_kernel(logits_ref, hashes_ref, *refs, dtype, num_experts: int
                   num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob)
 
 
-def route_blocks(hidden: int, padded_experts: int, itemsize: int) -> int:
-    """The hidden size one step reduces: the largest power of two <= 128 that divides it and keeps
-    the router's tile within ``TILE_BYTES``, at least 16."""
-    return next((b for b in (128, 64, 32) if hidden % b == 0 and b * padded_experts * itemsize <= TILE_BYTES), 16)
+def route_blocks(hidden: int, padded_experts: int, itemsize: int, min_steps: int = 1) -> int:
+    """The hidden size one step reduces: the largest power of two <= 128 that divides it, keeps
+    the router's tile within ``TILE_BYTES`` and leaves at least ``min_steps`` steps; else 16."""
+    return next((b for b in (128, 64, 32) if hidden % b == 0 and b * padded_experts * itemsize <= TILE_BYTES
+                 and hidden // b >= min_steps), 16)
 
 
 def route_splits(rows: int, steps: int, num_sms: int) -> int:
@@ -194,10 +218,11 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
           num_stages: int | None = None):
     """Pallas version of ``route_reference`` (same arguments and results; the logits within the
     rounding of the product's f32 sums, so near-tied experts may come out in another order).
-    ``block_k`` (default ``route_blocks``): hidden dims a step reduces; ``num_splits`` (default
-    ``route_splits``): shares of the hidden size, each its own program, whose f32 logits a second
-    launch adds in order and finishes (1: one launch, one program per 16 rows streaming the whole
-    router); ``num_stages``: default 2, fewer where shared memory is short."""
+    ``block_k`` (default ``route_blocks``, leaving steps for up to ``MAX_SHARES`` shares unless
+    ``num_splits`` is 1): hidden dims a step reduces; ``num_splits`` (default ``route_splits``):
+    shares of the hidden size, each its own program, whose f32 logits a second launch adds in
+    order and finishes (1: one launch, one program per 16 rows streaming the whole router);
+    ``num_stages``: default 2, fewer where shared memory is short."""
     check_route_args(x, norm_weight, router, router_bias, top_k)
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) or router.dtype != x.dtype:
         raise ValueError(f"x and router must share a float32/bfloat16/float16 dtype, got {x.dtype} and {router.dtype}")
@@ -205,12 +230,15 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
     if hidden % 16:
         raise ValueError(f"the hidden size must be a multiple of 16, got {hidden}")
     padded = max(16, next_power_of_2(num_experts))
-    block_k = block_k or route_blocks(hidden, padded, x.dtype.itemsize)
+    row_programs = pl.cdiv(n, ROWS_PER_PROGRAM)
+    if block_k is None:  # split: room for a share per SM, up to MAX_SHARES
+        shares = 1 if num_splits == 1 else min(MAX_SHARES, max(1, gpu_limits().num_sms // row_programs))
+        block_k = route_blocks(hidden, padded, x.dtype.itemsize, min_steps=shares)
     if not (is_power_of_2(block_k) and block_k >= 16 and hidden % block_k == 0):
         raise ValueError(f"block_k must be a power of two >= 16 that divides the hidden size {hidden}, got {block_k}")
     steps = hidden // block_k
-    num_splits = num_splits or route_splits(n, steps, gpu_limits().num_sms)
-    if steps % num_splits:
+    num_splits = route_splits(n, steps, gpu_limits().num_sms) if num_splits is None else num_splits
+    if not 1 <= num_splits <= steps or steps % num_splits:
         raise ValueError(f"num_splits must divide the {steps} steps of block_k {block_k} over the hidden size "
                          f"{hidden}, got {num_splits}")
     stage_bytes = (ROWS_PER_PROGRAM + padded) * block_k * x.dtype.itemsize
@@ -225,7 +253,6 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
         extras.append(pad(log_popularity(num_experts, skew)))
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
-    row_programs = pl.cdiv(n, ROWS_PER_PROGRAM)
     h_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     choice_shapes = (jax.ShapeDtypeStruct((n, top_k), jnp.int32), jax.ShapeDtypeStruct((n, top_k), x.dtype))
     finish = dict(num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob,
@@ -239,9 +266,10 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
             out_specs=[whole(o) for o in out_shapes], out_shape=out_shapes, compiler_params=params,
             interpret=interpret, name="moe_route",
         )(*operands, *extras)
-    share_shapes = (h_shape, jax.ShapeDtypeStruct((num_splits, n, padded), jnp.float32),
-                    jax.ShapeDtypeStruct((num_splits, n, 1), jnp.uint32))
-    h, logits, hashes = pl.pallas_call(
+    share_shapes = (h_shape, jax.ShapeDtypeStruct((num_splits, n, padded), jnp.float32))
+    if skew is not None:
+        share_shapes += (jax.ShapeDtypeStruct((num_splits, n, 1), jnp.uint32),)
+    h, *shares = pl.pallas_call(
         functools.partial(_route_shares_kernel, block_k=block_k, steps_per_split=steps // num_splits, eps=eps,
                           independent=skew is not None),
         grid=(row_programs, num_splits), in_specs=[whole(a) for a in operands],
@@ -250,9 +278,9 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
     )(*operands)
     experts, weights = pl.pallas_call(
         functools.partial(_finish_shares_kernel, dtype=x.dtype, **finish),
-        grid=(row_programs,), in_specs=[whole(a) for a in [logits, hashes] + extras],
+        grid=(row_programs,), in_specs=[whole(a) for a in shares + extras],
         out_specs=[whole(o) for o in choice_shapes], out_shape=choice_shapes,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="moe_route_finish",
-    )(logits, hashes, *extras)
+    )(*shares, *extras)
     return h, experts, weights
