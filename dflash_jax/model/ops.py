@@ -45,13 +45,14 @@ KERNEL_CHOICES = ("reference", "gpu", "gpu-interpret", "tpu", "tpu-interpret")
 # its norm/gate/residual fused loses (H100, 2026-11-22: bs-8 decode 7.02 vs 6.48 ms, bs-1 DFlash
 # step 8.97 vs 8.29), so auto keeps XLA for the draft block's norm+RoPE and for most projections:
 # it runs the projection kernel only where XLA falls back to a reduce fusion, single-row products
-# with a side of at most ``PROJECTION_KERNEL_MAX_WIDTH`` (``projection_kernel_wins``; at hidden 2048
-# XLA's streamed 1.2 TB/s, H200, 2026-11-27: Qwen3-30B-A3B bs-1 decode 3.83 ms with every
-# projection in the kernel against 5.13 without, while a 16-row DFlash step lost, 5.41 against
-# 5.24, and at hidden 4096 the kernel lost single rows too). The routed-experts kernel reads only the routed
-# experts where XLA's ragged_dot reads them all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token
-# 45 vs 307 µs, 16 tokens 208 vs 414, 512 tokens 391 vs 7124). "pallas" forces every kernel.
-# benchmarks/ab_kernels.py re-measures one op on vs off.
+# with a side of at most ``PROJECTION_KERNEL_MAX_WIDTH`` (``projection_kernel_wins``; H200,
+# 2026-11-27: Qwen3-30B-A3B bs-1 decode 3.83 ms with the kernel against 5.13 without; a 16-row
+# DFlash step and single rows at hidden 4096 lost). The routing kernel stays off: in one launch
+# it lost bs-1 decode (H200, 2026-11-30: 4.74 against 4.06 ms); its two-launch form is not yet
+# timed. The routed-experts kernel reads only the routed experts where XLA's ragged_dot reads them
+# all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token 45 vs 307 µs, 16 tokens 208 vs 414, 512
+# tokens 391 vs 7124). "pallas" forces every kernel. benchmarks/ab_kernels.py re-measures one op on
+# vs off.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
                 "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": True,
                 "routed_experts": True, "route_experts": False, "gated_delta_rule": True}

@@ -101,12 +101,13 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
 
 def inverse_rms(load_x, k: int, block_m: int, block_k: int, eps: float) -> jax.Array:
     """RMSNorm's 1 / rms(x) [block_m, 1] f32 of a program's rows of x [M, K], read as ``load_x(k0)``
-    tiles [block_m, block_k] (x is small at decode and verify sizes: read again from L2 after)."""
+    tiles [block_m, block_k] (x is small at decode and verify sizes: read again from L2 after; a
+    last tile past K is ``load_x``'s to mask)."""
     def sum_squares(step, total):
         x = load_x(pl.multiple_of(step * block_k, block_k)).astype(jnp.float32)
         return total + jnp.sum(x * x, axis=1, keepdims=True)
 
-    total = lax.fori_loop(0, k // block_k, sum_squares, jnp.zeros((block_m, 1), jnp.float32))
+    total = lax.fori_loop(0, pl.cdiv(k, block_k), sum_squares, jnp.zeros((block_m, 1), jnp.float32))
     return lax.rsqrt(total / k + eps)
 
 

@@ -35,8 +35,8 @@ RMS_TILE = 512  # columns a share program's RMSNorm statistics read at a time
 MAX_SHARES = 32  # shares of the router a row block's default tiling aims for, at most
 
 
-def _row_block(n: int):
-    """(first row, rows [16, 1]) of this program's block of rows."""
+def _row_block():
+    """(first row, rows [16, 1]) of this program's block of rows (program axis 0)."""
     m0 = pl.program_id(0) * ROWS_PER_PROGRAM
     return m0, m0 + lax.broadcasted_iota(jnp.int32, (ROWS_PER_PROGRAM, 1), 0)
 
@@ -48,13 +48,11 @@ def _wide_inverse_rms(x_ref, rows: jax.Array, eps: float) -> jax.Array:
     n, hidden = x_ref.shape
     tile = min(RMS_TILE, next_power_of_2(hidden))
 
-    def sum_squares(step, total):
-        cols = step * tile + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
-        x = plgpu.load(x_ref.at[rows, cols], mask=(rows < n) & (cols < hidden), other=0).astype(jnp.float32)
-        return total + jnp.sum(x * x, axis=1, keepdims=True)
+    def load_x(k0):
+        cols = k0 + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+        return plgpu.load(x_ref.at[rows, cols], mask=(rows < n) & (cols < hidden), other=0)
 
-    total = lax.fori_loop(0, pl.cdiv(hidden, tile), sum_squares, jnp.zeros((ROWS_PER_PROGRAM, 1), jnp.float32))
-    return lax.rsqrt(total / hidden + eps)
+    return inverse_rms(load_x, hidden, ROWS_PER_PROGRAM, tile, eps)
 
 
 def _partial_logits(x_ref, norm_ref, router_ref, h_ref, first_step: int | jax.Array, steps: int, *, block_k: int,
@@ -65,7 +63,7 @@ def _partial_logits(x_ref, norm_ref, router_ref, h_ref, first_step: int | jax.Ar
     cores, and (independent routing) h's bits folded into the rows' hashes (sums mod 2^32, so
     partial sums add up to the whole)."""
     (n, hidden), dtype = x_ref.shape, x_ref.dtype
-    m0, rows = _row_block(n)
+    m0, rows = _row_block()
     x_mask = jnp.broadcast_to(rows < n, (ROWS_PER_PROGRAM, block_k))
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
@@ -98,7 +96,7 @@ def _finish_route(logits, hashes, bias_ref, popularity_ref, experts_ref, weights
     reference's h @ router, the bias, softmax over the E real experts in f32, the top k by k rounds
     of max and lowest index (``lax.top_k``'s order; padded experts score -inf) or the hashed
     independent draw, their (renormalised) weights, stored."""
-    _, rows = _row_block(n)
+    _, rows = _row_block()
     padded = logits.shape[1]
     cols = lax.broadcasted_iota(jnp.int32, (1, padded), 1)
     logits = logits.astype(dtype)
@@ -160,7 +158,7 @@ def _route_shares_kernel(x_ref, norm_ref, router_ref, h_ref, logits_ref, *hashes
     split = pl.program_id(1)
     logits, hashes = _partial_logits(x_ref, norm_ref, router_ref, h_ref, split * steps_per_split, steps_per_split,
                                      block_k=block_k, eps=eps, independent=independent, wide_rms=True)
-    _, rows = _row_block(n)
+    _, rows = _row_block()
     cols = lax.broadcasted_iota(jnp.int32, (1, logits.shape[1]), 1)
     plgpu.store(logits_ref.at[split, rows, cols], logits, mask=jnp.broadcast_to(rows < n, logits.shape))
     if independent:
@@ -176,7 +174,7 @@ def _finish_shares_kernel(logits_ref, *refs, dtype, num_experts: int, top_k: int
     hashes_ref = refs.pop(0) if independent else None
     bias_ref, popularity_ref, (experts_ref, weights_ref) = _optional_refs(refs, has_bias, independent)
     num_splits, n, padded = logits_ref.shape
-    _, rows = _row_block(n)
+    _, rows = _row_block()
     cols = lax.broadcasted_iota(jnp.int32, (1, padded), 1)
 
     def add(split, carry):
@@ -229,22 +227,22 @@ def route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, router_bias: 
     (n, hidden), num_experts = x.shape, router.shape[1]
     if hidden % 16:
         raise ValueError(f"the hidden size must be a multiple of 16, got {hidden}")
-    padded = max(16, next_power_of_2(num_experts))
+    padded, limits = max(16, next_power_of_2(num_experts)), gpu_limits()
     row_programs = pl.cdiv(n, ROWS_PER_PROGRAM)
     if block_k is None:  # split: room for a share per SM, up to MAX_SHARES
-        shares = 1 if num_splits == 1 else min(MAX_SHARES, max(1, gpu_limits().num_sms // row_programs))
+        shares = 1 if num_splits == 1 else min(MAX_SHARES, max(1, limits.num_sms // row_programs))
         block_k = route_blocks(hidden, padded, x.dtype.itemsize, min_steps=shares)
     if not (is_power_of_2(block_k) and block_k >= 16 and hidden % block_k == 0):
         raise ValueError(f"block_k must be a power of two >= 16 that divides the hidden size {hidden}, got {block_k}")
     steps = hidden // block_k
-    num_splits = route_splits(n, steps, gpu_limits().num_sms) if num_splits is None else num_splits
+    num_splits = route_splits(n, steps, limits.num_sms) if num_splits is None else num_splits
     if not 1 <= num_splits <= steps or steps % num_splits:
         raise ValueError(f"num_splits must divide the {steps} steps of block_k {block_k} over the hidden size "
                          f"{hidden}, got {num_splits}")
     stage_bytes = (ROWS_PER_PROGRAM + padded) * block_k * x.dtype.itemsize
-    stages = num_stages or max(1, min(2, gpu_limits().smem_budget // stage_bytes))
-    if stages * stage_bytes > gpu_limits().smem_budget:
-        raise ValueError(f"num_stages={stages} stages of {stage_bytes} B exceed the {gpu_limits().smem_budget} B of "
+    stages = num_stages or max(1, min(2, limits.smem_budget // stage_bytes))
+    if stages * stage_bytes > limits.smem_budget:
+        raise ValueError(f"num_stages={stages} stages of {stage_bytes} B exceed the {limits.smem_budget} B of "
                          "shared memory a program may use: take a smaller block_k or fewer stages")
     check_launch(num_warps, stages)
     pad = lambda a: a if padded == num_experts else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - num_experts)])  # noqa: E731
