@@ -120,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--top", type=positive_int, default=25)
     parser.add_argument("--modes", type=names_from(MODES), default=",".join(MODES))
-    parser.add_argument("--block", type=positive_int, default=16, help="DFlash block size")
+    parser.add_argument("--block", type=positive_int, default=None,
+                        help="DFlash block size (default: the draft's trained block size)")
     parser.add_argument("--alpha", type=acceptance_rate, default=0.86, help="DFlash replayed acceptance, in [0, 1)")
     parser.add_argument("--sequence", type=at_least(0), default=0, help="print this many kernels in time order")
     parser.add_argument("--tp", type=positive_int, default=1,
@@ -130,8 +131,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_routing_option(parser)
     args = parser.parse_args(argv)
     check_routing(parser, args)
-    check_block_sizes(parser, "--block", [args.block], args.shape)
-    check_positions(parser, "--context", [args.context], args.steps * args.block + 1, args.shape)
+    if args.block is None:
+        args.block = SHAPES[args.shape][1].block_size
+    elif "dflash" in args.modes:
+        check_block_sizes(parser, "--block", [args.block], args.shape)
+    else:
+        parser.error("--block: only the dflash mode runs blocks; --modes has no dflash")
+    block = args.block if "dflash" in args.modes else 1
+    check_positions(parser, "--context", [args.context], args.steps * block + 1, args.shape)
     if args.tp > jax.device_count():
         parser.error(f"--tp {args.tp} needs {args.tp} devices; {jax.device_count()} visible")
     return args

@@ -384,9 +384,17 @@ def test_ab_kernels_rejects_a_bad_case(capsys, cases, message):
     (["--block", "1"], "block 1 must be in [2, 16]"), (["--batch", "0"], "must be an integer >= 1"),
     (["--sequence", "-3"], "must be an integer >= 0"),
     (["--tp", "2"], "--tp 2 needs 2 devices; 1 visible"),
+    (["--modes", "decode", "--block", "8"], "only the dflash mode runs blocks; --modes has no dflash"),
 ])
 def test_profile_step_rejects_bad_settings_when_parsing(capsys, argv, message):
     assert message in parse_error(capsys, profile_step.parse_args, ["--shape", "tiny", *argv])
+
+
+def test_profile_step_blocks_default_to_the_drafts_trained_size():
+    """gpt-oss's draft is trained on blocks of 8: its profile needs no --block, decode alone included."""
+    for modes in ("decode", "decode,dflash"):
+        assert profile_step.parse_args(["--shape", "gpt-oss-20b", "--modes", modes]).block == 8
+    assert profile_step.parse_args(["--shape", "qwen3-8b"]).block == 16
 
 
 def test_profile_step_runs_the_tiny_shape_on_cpu(tmp_path):

@@ -829,12 +829,18 @@ MATMUL_CASES = [
     ("f16", (70,), 256, 64, True, False, True, {}),
     ("bf16", (4, 16), 256, 48, False, True, False, {"num_splits": 1, "block_n": 16}),
     ("f32", (2, 16), 256, 96, True, True, True, {}),
+    # K that the 256-deep tiles (128 in f32) do not divide: the last tile masked
+    ("bf16", (1,), 320, 96, True, False, False, {}),
+    ("f32", (3,), 208, 48, True, True, True, {}),
+    ("bf16", (5,), 336, 64, True, False, True, {"num_splits": 2}),
+    ("bf16", (2,), 80, 40, False, False, False, {"block_k": 32}),
 ]
 
 
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=lambda c: "-".join(map(str, c[:7])))
 def test_fused_matmul(case, interpret, check):
-    """Ragged row counts (1, 5, 17, 70 rows), columns that do not fill a tile, split K."""
+    """Ragged row counts (1, 5, 17, 70 rows), columns that do not fill a tile, split K, K that
+    the tiles do not divide."""
     dtype, lead, k, n, norm, gated, residual, tuning = case
     dtype = DTYPES[dtype]
     rng = _rng("fused_matmul", case)
@@ -1014,6 +1020,8 @@ LOWERINGS = {
     "combine_splits": (pk_gpu.combine_splits, (S((16, 1, 16, 8, 4, 128), BF), S((16, 1, 16, 8, 4), jnp.float32)), {}),
     "fused_matmul_qkv": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw),
                          (S((1, 1, 4096), BF), S((4096, 6144), BF), S((4096,), BF)), {}),
+    "fused_matmul_qkv_gpt_oss_masked_k": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw),
+                                          (S((1, 1, 2880), BF), S((2880, 5120), BF), S((2880,), BF)), {}),
     "fused_matmul_gated_split": (lambda x, w, nw: pk_gpu.fused_matmul(x, w, norm_weight=nw, gated=True, num_splits=4),
                                  (S((2, 16, 4096), BF), S((4096, 2 * 1024), BF), S((4096,), BF)), {}),
     "fused_matmul_residual": (lambda x, w, r: pk_gpu.fused_matmul(x, w, residual=r),

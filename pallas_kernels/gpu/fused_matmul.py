@@ -19,9 +19,10 @@ are masked to zero: tiles have at least 16 rows). Where too few column blocks co
 is split over ``num_splits`` programs that write f32 partial sums; XLA adds them in a fixed
 order (deterministic) and applies the gate and residual.
 
-Measured on an H100 (benchmarks/RESULTS.md), the glue it removes is worth less than what its
-weight streaming loses to XLA's autotuned GEMMs (split K, TMA loads, programmatic dependent
-launch), so the model runs it only when asked (``impl="pallas"``).
+Measured on an H100 and H200 (benchmarks/RESULTS.md), the glue it removes is worth less than what
+its weight streaming loses to XLA's autotuned GEMMs (split K, TMA loads, programmatic dependent
+launch) except for single rows at hidden 2048-2880, where XLA falls back to a reduce fusion:
+``impl="auto"`` runs it only there (``dflash_jax.model.ops.projection_kernel_wins``).
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     (default ``tuning.gpu_limits()``); any argument given wins.
 
     Rows are padded to >= 16 (the smallest tensor-core tile); 64-column weight tiles (128 bytes
-    of a bf16 row per load); the largest K tile <= 256 (128 in f32) that divides K; K split only
-    when fewer than half as many programs as SMs would run; three stages, fewer where the tiles
-    would overflow shared memory. On an H100 (2026-11-22, the 36 layers' projections of Qwen3-8B
-    at 1 and 16 rows) this beat 64- and 128-deep K tiles, 4 stages, 128-column tiles and K split
-    in two (benchmarks/RESULTS.md).
+    of a bf16 row per load); K tiles 256 deep (128 in f32; no deeper than K), the last one masked
+    where they do not divide K (gpt-oss's 2880: 12 steps, not 45 of the 64 that divide it); K
+    split only when fewer than half as many programs as SMs would run; three stages, fewer where
+    the tiles would overflow shared memory. On an H100 (2026-11-22, the 36 layers' projections of
+    Qwen3-8B at 1 and 16 rows) this beat 64- and 128-deep K tiles, 4 stages, 128-column tiles and
+    K split in two (benchmarks/RESULTS.md).
     """
     check_positive(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=num_splits)
     limits = limits or gpu_limits()
@@ -77,9 +79,10 @@ def matmul_blocks(m: int, k: int, n: int, itemsize: int, *, gated: bool = False,
     if block_n is None:
         block_n = 64
     if block_k is None:  # (a given num_splits must divide the K steps)
-        block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0 and (itemsize <= 2 or b <= 128)
-                        and (num_splits is None or (k // b) % num_splits == 0)), 16)
-    steps = k // block_k
+        deepest = min(256 if itemsize <= 2 else 128, max(16, next_power_of_2(k)))
+        block_k = next((b for b in (256, 128, 64, 32, 16) if b <= deepest
+                        and (num_splits is None or pl.cdiv(k, b) % num_splits == 0)), 16)
+    steps = pl.cdiv(k, block_k)
     if num_splits is None:
         programs = pl.cdiv(n, block_n) * pl.cdiv(m, block_m)
         num_splits = 1 if 2 * programs >= limits.num_sms else max(1, min(steps, pl.cdiv(limits.num_sms, programs)))
@@ -126,16 +129,25 @@ def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_
     m0, n0 = row_block * block_m, col_block * block_n
     rows = m0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     cols = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
-    x_mask = jnp.broadcast_to(rows < m, (block_m, block_k))
-    w_mask = None if n % block_n == 0 else jnp.broadcast_to(cols < n, (block_k, block_n))
+    ragged_k = k % block_k != 0  # the last K tile runs past K: tiles masked along K
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
+    def inside_k(k0, shape, axis):
+        return k0 + lax.broadcasted_iota(jnp.int32, shape, axis) < k
+
     def load_x(k0):
-        return plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], mask=x_mask, other=0)
+        mask = (rows < m) & inside_k(k0, (1, block_k), 1) if ragged_k else rows < m
+        return plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)],
+                          mask=jnp.broadcast_to(mask, (block_m, block_k)), other=0)
+
+    w_masks = [] if n % block_n == 0 else [cols < n]
 
     def load_w(k0, c0):
-        return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)], mask=w_mask,
-                          other=None if w_mask is None else 0)
+        masks = w_masks + ([inside_k(k0, (block_k, 1), 0)] if ragged_k else [])
+        if not masks:
+            return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)])
+        mask = jnp.broadcast_to(functools.reduce(jnp.logical_and, masks), (block_k, block_n))
+        return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)], mask=mask, other=0)
 
     if has_norm:
         inv_rms = inverse_rms(load_x, k, block_m, block_k, eps)
@@ -144,7 +156,8 @@ def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_
         k0 = pl.multiple_of((split * steps_per_split + step) * block_k, block_k)
         x = load_x(k0)
         if has_norm:
-            weight = plgpu.load(norm_ref.at[pl.ds(k0, block_k)]).astype(dtype)
+            weight = plgpu.load(norm_ref.at[pl.ds(k0, block_k)], mask=inside_k(k0, (block_k,), 0) if ragged_k else None,
+                                other=0 if ragged_k else None).astype(dtype)
             x = weight[None, :] * (x.astype(jnp.float32) * inv_rms).astype(dtype)
         dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
         return tuple(acc + dot(x, load_w(k0, c0))
@@ -200,8 +213,10 @@ def fused_matmul(x: jax.Array, w: jax.Array, *, norm_weight: jax.Array | None = 
     blocks = matmul_blocks(m, k, n, x.dtype.itemsize, gated=gated, block_m=block_m, block_n=block_n,
                            block_k=block_k, num_splits=num_splits, num_warps=num_warps,
                            num_stages=num_stages)
-    if k % blocks.block_k or (k // blocks.block_k) % blocks.num_splits:
-        raise ValueError(f"block_k={blocks.block_k} x num_splits={blocks.num_splits} must divide K={k}")
+    steps = pl.cdiv(k, blocks.block_k)
+    if steps % blocks.num_splits:
+        raise ValueError(f"num_splits={blocks.num_splits} must divide the {steps} K steps of block_k={blocks.block_k} "
+                         f"over K={k}")
     splits = blocks.num_splits
     finish_here = splits == 1
     residual_rows = None if residual is None else residual.reshape(-1, n)
@@ -209,7 +224,7 @@ def fused_matmul(x: jax.Array, w: jax.Array, *, norm_weight: jax.Array | None = 
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, i, j: (0,) * a.ndim)  # noqa: E731
     kernel = functools.partial(
         _fused_matmul_kernel, block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
-        steps_per_split=k // blocks.block_k // splits, has_norm=norm_weight is not None, gated=gated,
+        steps_per_split=steps // splits, has_norm=norm_weight is not None, gated=gated,
         has_residual=finish_here and residual is not None, finish_here=finish_here, eps=eps)
     out_shape = (m, n) if finish_here else (splits, m, w.shape[1])
     out = pl.pallas_call(

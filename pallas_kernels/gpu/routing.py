@@ -11,7 +11,9 @@ the softmax over the experts in f32 and the top k by k rounds of max and lowest 
 (``lax.top_k``'s order, ties to the lower expert). One program streaming the whole router runs on
 one SM's bandwidth, slower than XLA at decode (benchmarks/RESULTS.md, 2026-11-30), so by default
 the hidden size is split into shares (``route_splits``: at one row, each router step its own
-program) whose f32 logits and hashes a second launch adds in share order and finishes.
+program) whose f32 logits and hashes a second launch adds in share order and finishes. Even so
+it trails XLA's chain at decode (benchmarks/RESULTS.md, 2026-11-30), so only ``impl="pallas"``
+runs it.
 """
 
 from __future__ import annotations
