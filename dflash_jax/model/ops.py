@@ -51,10 +51,10 @@ KERNEL_CHOICES = ("reference", "gpu", "gpu-interpret", "tpu", "tpu-interpret")
 # it lost bs-1 decode (H200, 2026-11-30: 4.74 against 4.06 ms); in two it is within the noise at
 # one row (Qwen3-30B-A3B decode 4.71 against 4.81 ms, one round), loses a 16-row DFlash step
 # (14.41 against 13.89) and, timed alone, trails XLA's chain at every MoE shape (H200,
-# 2026-11-30: 19.0 against 16.0 µs at the 30B). The routed-experts kernel reads only the routed experts where XLA's ragged_dot reads them
-# all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token 45 vs 307 µs, 16 tokens 208 vs 414, 512
-# tokens 391 vs 7124). "pallas" forces every kernel. benchmarks/ab_kernels.py re-measures one op on
-# vs off.
+# 2026-11-30: 19.0 against 16.0 µs at the 30B). The routed-experts kernel reads only the routed
+# experts where XLA's ragged_dot reads them all (H200, 2026-11-27, Qwen3-30B-A3B experts: 1 token
+# 45 vs 307 µs, 16 tokens 208 vs 414, 512 tokens 391 vs 7124). "pallas" forces every kernel.
+# benchmarks/ab_kernels.py re-measures one op on vs off.
 AUTO_KERNELS = {"verify_attention": True, "draft_attention": True, "write_kv": True,
                 "qkv_norm_rope_write": True, "qkv_norm_rope": False, "fused_matmul": True,
                 "routed_experts": True, "route_experts": False, "gated_delta_rule": True}

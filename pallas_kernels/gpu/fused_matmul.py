@@ -133,21 +133,24 @@ def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
     def inside_k(k0, shape, axis):
-        return k0 + lax.broadcasted_iota(jnp.int32, shape, axis) < k
+        """Where a tile's K index is below K, along ``axis`` of ``shape``; None where every tile is."""
+        return k0 + lax.broadcasted_iota(jnp.int32, shape, axis) < k if ragged_k else None
+
+    def tile_mask(shape, *conditions):
+        """The conditions that apply (not None) and-ed, broadcast to ``shape``; None if none applies."""
+        conditions = [c for c in conditions if c is not None]
+        return jnp.broadcast_to(functools.reduce(jnp.logical_and, conditions), shape) if conditions else None
+
+    def load(ref, mask):
+        return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
 
     def load_x(k0):
-        mask = (rows < m) & inside_k(k0, (1, block_k), 1) if ragged_k else rows < m
-        return plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)],
-                          mask=jnp.broadcast_to(mask, (block_m, block_k)), other=0)
-
-    w_masks = [] if n % block_n == 0 else [cols < n]
+        mask = tile_mask((block_m, block_k), rows < m, inside_k(k0, (1, block_k), 1))
+        return load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], mask)
 
     def load_w(k0, c0):
-        masks = w_masks + ([inside_k(k0, (block_k, 1), 0)] if ragged_k else [])
-        if not masks:
-            return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)])
-        mask = jnp.broadcast_to(functools.reduce(jnp.logical_and, masks), (block_k, block_n))
-        return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)], mask=mask, other=0)
+        mask = tile_mask((block_k, block_n), None if n % block_n == 0 else cols < n, inside_k(k0, (block_k, 1), 0))
+        return load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)], mask)
 
     if has_norm:
         inv_rms = inverse_rms(load_x, k, block_m, block_k, eps)
@@ -156,8 +159,7 @@ def _fused_matmul_kernel(*refs, block_m: int, block_n: int, block_k: int, steps_
         k0 = pl.multiple_of((split * steps_per_split + step) * block_k, block_k)
         x = load_x(k0)
         if has_norm:
-            weight = plgpu.load(norm_ref.at[pl.ds(k0, block_k)], mask=inside_k(k0, (block_k,), 0) if ragged_k else None,
-                                other=0 if ragged_k else None).astype(dtype)
+            weight = load(norm_ref.at[pl.ds(k0, block_k)], inside_k(k0, (block_k,), 0)).astype(dtype)
             x = weight[None, :] * (x.astype(jnp.float32) * inv_rms).astype(dtype)
         dot = functools.partial(lax.dot, precision=precision, preferred_element_type=jnp.float32)
         return tuple(acc + dot(x, load_w(k0, c0))
